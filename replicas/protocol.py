@@ -1,0 +1,141 @@
+"""The contract between the router and every engine: token ids in, token ids out.
+
+Replicas never see text. The router tokenizes once, sends a `GenerateRequest`, and reads
+`StepOutput`s back through a streaming `DeploymentHandle` call. Everything here is plain data
+(dataclasses of ints, floats and strings) so it pickles cheaply across Ray and imports without
+Ray, pydantic or a web stack.
+
+Yield rule (every `Engine.generate` obeys it):
+  1. The first generated token is yielded alone, as soon as it exists (time to first token).
+  2. After that, tokens are coalesced: an engine yields when `coalesce_seconds` have passed
+     since its last yield or `coalesce_tokens` tokens are pending, whichever comes first, so that
+     the per-item cost of Ray's streaming (~0.3 ms) stays far below the step time.
+  3. The last item carries `finish_reason` (and any tokens still pending); nothing follows it.
+  4. An item is never empty except the last one, which may carry no tokens.
+  5. Each token comes with the duration of the engine step that produced it, in seconds.
+Cancelling the consumer (closing the async generator, or Ray cancelling the call on client
+disconnect) stops the generation at the next step boundary and frees the slot.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+class Tier(str, enum.Enum):
+    """Which replica pool serves a request."""
+
+    LATENCY = "latency"
+    THROUGHPUT = "throughput"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a generation ended; the values are OpenAI's `finish_reason` strings."""
+
+    STOP = "stop"  # an end-of-sequence or stop token id (stop strings are matched by the router)
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    ABORT = "abort"  # cancelled or failed on the replica
+
+
+class EngineError(Exception):
+    """A request that an engine refuses (bad ids, too long, ...); the message is for the client."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. `temperature == 0` means greedy (argmax)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise EngineError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise EngineError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise EngineError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: a tokenized prompt and how to sample its continuation."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # larger is served first where an engine queues (SGLang's convention)
+
+
+@dataclass
+class StepOutput:
+    """Tokens produced since the previous item of the same stream (see the yield rule above)."""
+
+    token_ids: list[int]
+    step_seconds: list[float]  # one per token: the duration of the step that produced it
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0  # set on every item, so a consumer that starts late still knows
+    error: str | None = None  # set with finish_reason ABORT when the engine failed
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """What `Engine.health` reports; `healthy=False` makes Serve restart the replica."""
+
+    healthy: bool
+    detail: str = ""
+    running_requests: int = 0
+    waiting_requests: int = 0
+
+
+@dataclass(frozen=True)
+class CoalescePolicy:
+    """When an engine yields (rule 2 of the yield rule)."""
+
+    seconds: float = 0.005
+    tokens: int = 16
+
+
+class Engine(abc.ABC):
+    """A model that turns token ids into more token ids. Implementations: TorchEngine (CPU or
+    GPU reference, batch-1 or continuously batched), MegakernelEngine (batch-1 CUDA decode),
+    SGLangEngine (stock SGLang, batched)."""
+
+    model_name: str
+    max_context: int  # prompt + generated tokens must fit in this
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        """Stream the continuation of `request` as `StepOutput`s, following the yield rule."""
+
+    @abc.abstractmethod
+    async def health(self) -> EngineHealth:
+        """Cheap liveness and load report."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop generating and free the device; pending streams end with ABORT."""
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise EngineError if `request` cannot run on this engine; called before any work."""
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise EngineError("the prompt is empty")
+        if prompt_len >= self.max_context:
+            raise EngineError(
+                f"the prompt has {prompt_len} tokens but the model's context is {self.max_context}"
+            )
