@@ -1,0 +1,146 @@
+"""`build_app`: an AppConfig in, a bound Ray Serve application out.
+
+Usable as the `import_path` of a Serve config (`megaserve.deploy.builder:build_app`, with the
+AppConfig as the application's `args`), by `serve run`, `serve deploy`, KubeRay's serveConfigV2
+and `megaserve up`. Resources are decided here and only here: GPUs per replica, placement-group
+bundles (STRICT_PACK, so a tensor-parallel group never straddles nodes), accelerator labels, and
+the environment every megaserve process starts with (the node's metrics folder).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from megaserve.deploy.config import AppConfig, LatencyTier, ThroughputTier, TierCommon
+from megaserve.deploy.env import Environment
+from megaserve.monitoring.exporter import MULTIPROC_ENV
+from megaserve.replicas.deployments import LatencyReplica, ReplicaSpec, ThroughputReplica
+from megaserve.replicas.protocol import Tier
+from megaserve.router.deployment import RouterDeployment
+from megaserve.router.policy import RouterSettings
+
+# NVLink multicast (NVLS) can take a shared host's GPUs out of service; never let NCCL use it.
+GPU_PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def _process_env(config: AppConfig, env: Environment) -> dict[str, str]:
+    return {
+        MULTIPROC_ENV: config.metrics.multiproc_dir,
+        "MEGASERVE_HOME": str(env.home),
+        "MEGASERVE_KERNEL_CACHE": str(env.kernel_cache),
+    }
+
+
+def _actor_options(tier: TierCommon, process_env: dict[str, str]) -> dict[str, Any]:
+    gpus = tier.tp_size if tier.device == "cuda" else 0
+    env_vars = dict(process_env, **(GPU_PROCESS_ENV if gpus else {}))
+    options: dict[str, Any] = {
+        "num_cpus": tier.cpus_per_replica,
+        "num_gpus": gpus,
+        "runtime_env": {"env_vars": env_vars},
+    }
+    if tier.accelerator_type is not None:
+        options["accelerator_type"] = tier.accelerator_type
+    return options
+
+
+def _placement(tier: TierCommon) -> dict[str, Any]:
+    """A tensor-parallel group takes all its GPUs in one bundle on one node."""
+    if tier.device != "cuda":
+        return {}
+    return {
+        "placement_group_bundles": [{"CPU": tier.cpus_per_replica, "GPU": tier.tp_size}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
+def _engine_settings(tier_name: Tier, tier: TierCommon, config: AppConfig, env: Environment,
+                     engine: str, max_batch: int) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "model_name": config.model.name,
+        "tier": tier_name.value,
+        "device": tier.device,
+        "dtype": config.model.dtype,
+        "max_seq": tier.max_seq_len,
+        "coalesce_seconds": tier.coalesce_seconds,
+        "coalesce_tokens": tier.coalesce_tokens,
+    }
+    if engine == "torch":
+        settings["max_batch"] = max_batch
+    if engine == "megakernel":
+        settings["kernel_cache"] = str(env.kernel_cache)
+    if engine == "sglang":
+        settings = {
+            "model_name": config.model.name, "tier": tier_name.value,
+            "tp_size": tier.tp_size, "coalesce_seconds": tier.coalesce_seconds,
+            "coalesce_tokens": tier.coalesce_tokens, "engine_args": dict(config.throughput.sglang_args),
+        }
+    return settings
+
+
+def _replica_spec(tier_name: Tier, tier: LatencyTier | ThroughputTier, engine: str, max_batch: int,
+                  config: AppConfig, env: Environment) -> ReplicaSpec:
+    return ReplicaSpec(
+        engine=engine,
+        engine_settings=_engine_settings(tier_name, tier, config, env, engine, max_batch),
+        model_path=config.model.path,
+        home=str(env.home),
+        metrics_host=config.metrics.bind_host,
+        metrics_port=config.metrics.port,
+    )
+
+
+def router_settings(config: AppConfig, env: Environment) -> RouterSettings:
+    tiers = [t for t in (config.latency, config.throughput) if t.enabled]
+    max_context = config.model.max_context or min(t.max_seq_len for t in tiers)
+    return RouterSettings(
+        model_name=config.model.name,
+        model_dir=config.model.path,
+        demo_home=str(env.home),
+        api_keys=env.api_keys,
+        max_body_bytes=config.routing.max_body_bytes,
+        latency_max_prompt_tokens=config.routing.latency_max_prompt_tokens,
+        latency_wait_seconds=config.routing.latency_wait_seconds,
+        spillover=config.routing.spillover,
+        latency_capacity=config.latency.num_replicas if config.latency.enabled else 0,
+        throughput_capacity=(
+            config.throughput.num_replicas * config.throughput.max_ongoing_requests
+            if config.throughput.enabled else 0
+        ),
+        retry_after_seconds=config.routing.retry_after_seconds,
+        max_context=max_context,
+    )
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    """Build the whole app: router ingress bound to one deployment per enabled tier."""
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    env = Environment.read()
+    process_env = _process_env(config, env)
+
+    latency = None
+    if config.latency.enabled:
+        tier = config.latency
+        latency = LatencyReplica.options(
+            num_replicas=tier.num_replicas,
+            ray_actor_options=_actor_options(tier, process_env),
+            **_placement(tier),
+        ).bind(_replica_spec(Tier.LATENCY, tier, tier.resolved_engine, 1, config, env))
+
+    throughput = None
+    if config.throughput.enabled:
+        tier = config.throughput
+        throughput = ThroughputReplica.options(
+            num_replicas=tier.num_replicas,
+            max_ongoing_requests=tier.max_ongoing_requests,
+            ray_actor_options=_actor_options(tier, process_env),
+            **_placement(tier),
+        ).bind(_replica_spec(Tier.THROUGHPUT, tier, tier.engine, tier.max_batch, config, env))
+
+    return RouterDeployment.options(
+        num_replicas=config.routing.router_replicas,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": process_env}},
+    ).bind(router_settings(config, env), latency, throughput, config.metrics.bind_host,
+           config.metrics.port)

@@ -1,0 +1,79 @@
+"""`megaserve`: up | generate | bench.
+
+Every heavy import is lazy: `generate --model` and `bench` run on GPU machines that have torch and
+cuda-python but no Ray, pydantic or FastAPI, so those are imported only by the commands that
+need them (`up`, `generate --url`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megaserve.deploy.env import Environment
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megaserve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start a local Ray cluster and serve the app until Ctrl-C")
+    up.add_argument("config", nargs="?", help="Serve config YAML (default: the embedded CPU demo)")
+    up.add_argument("--host", help="override http_options.host")
+    up.add_argument("--port", type=int, help="override http_options.port")
+    up.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds to wait for every replica to become healthy")
+
+    gen = commands.add_parser("generate", help="generate from one prompt and stream the tokens")
+    gen.add_argument("prompt", nargs="?", default="Hello!", help="the user message (chat template "
+                     "applied) or, with --raw, the literal prompt")
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--url", help=f"a running server (default {DEFAULT_URL} unless --model)")
+    where.add_argument("--model", help="a Hugging Face-format model directory to run in-process")
+    gen.add_argument("--engine", choices=("torch", "megakernel"), default="torch",
+                     help="in-process engine (with --model)")
+    gen.add_argument("--device", default=None, help="in-process device (default: cuda if present)")
+    gen.add_argument("--tier", choices=("latency", "throughput", "auto"), default="auto",
+                     help="service tier to ask the server for (with --url)")
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--api-key", default=None, help="bearer key for a server with auth on")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object: prompt and generated ids, text, per-step ms")
+
+    bench = commands.add_parser("bench", help="benchmark engines side by side on the GPU",
+                                add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark owns its flags
+        from megaserve.replicas.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = _parser().parse_args(argv)
+    env = Environment.read()
+    if args.command == "up":
+        from megaserve.deploy.local import serve_until_interrupted
+
+        return serve_until_interrupted(args.config, args.host, args.port, args.timeout, env)
+    if args.command == "generate":
+        from megaserve.deploy import generate
+
+        if args.model:
+            return generate.run_in_process(args, env)
+        return generate.run_against_server(args, args.url or DEFAULT_URL, env)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

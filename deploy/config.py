@@ -1,0 +1,177 @@
+"""The app config: one pydantic schema for `megaserve up`, `serve run/deploy` args and KubeRay.
+
+A YAML file (deploy/local.yaml, deploy/h200.yaml, deploy/gb300.yaml) is a Ray Serve config whose
+application `args` are an `AppConfig`. Every field has a description; cross-field rules live in
+validators so that a bad config fails before anything starts, with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEMO_MODEL_NAME = "megaserve-demo"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    name: str = Field(
+        DEMO_MODEL_NAME, min_length=1,
+        description="Model name served on /v1/models and matched against the request's `model`.",
+    )
+    path: str | None = Field(
+        None,
+        description="Hugging Face-format model directory (config.json, safetensors, tokenizer.json) "
+        "readable on every node. None serves the embedded demo model, created on first use.",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weight and activation dtype; `auto` takes the config's torch_dtype "
+        "on GPU and float32 on CPU.",
+    )
+    max_context: int | None = Field(
+        None, gt=1, description="Longest prompt + generation in tokens; None uses the model's "
+        "max_position_embeddings (capped by each tier's max_seq_len).",
+    )
+
+
+class TierCommon(_Strict):
+    enabled: bool = Field(True, description="Deploy this tier at all.")
+    num_replicas: int = Field(1, ge=1, description="Replicas of this tier.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the engine runs.")
+    tp_size: int = Field(
+        1, ge=1, description="GPUs per replica, driven as one tensor-parallel group (cuda only)."
+    )
+    accelerator_type: str | None = Field(
+        None, description="Ray accelerator label the replica must land on, e.g. `H200`, `GB300`.",
+    )
+    cpus_per_replica: float = Field(1.0, gt=0, description="CPUs reserved per replica.")
+    max_seq_len: int = Field(
+        2048, ge=16, description="KV-cache length per sequence (prompt + generated tokens)."
+    )
+    coalesce_seconds: float = Field(
+        0.005, ge=0, le=1.0,
+        description="Stream tokens back at most this often after the first (see the yield rule).",
+    )
+    coalesce_tokens: int = Field(
+        16, ge=1, description="Or as soon as this many tokens are pending."
+    )
+
+    @model_validator(mode="after")
+    def _gpu_rules(self):
+        if self.device == "cpu" and self.tp_size != 1:
+            raise ValueError("tp_size > 1 needs device: cuda")
+        if self.tp_size not in (1, 2, 4, 8):
+            raise ValueError(f"tp_size must be 1, 2, 4 or 8, got {self.tp_size}")
+        if self.device == "cpu" and self.accelerator_type is not None:
+            raise ValueError("accelerator_type is only meaningful with device: cuda")
+        return self
+
+
+class LatencyTier(TierCommon):
+    engine: Literal["auto", "megakernel", "torch"] = Field(
+        "auto", description="Batch-1 engine: `megakernel` (CUDA), `torch` (reference), or `auto`: "
+        "megakernel on cuda, torch on cpu.",
+    )
+
+    @model_validator(mode="after")
+    def _engine_rules(self):
+        if self.engine == "megakernel" and self.device != "cuda":
+            raise ValueError("latency.engine megakernel needs latency.device: cuda")
+        return self
+
+    @property
+    def resolved_engine(self) -> str:
+        if self.engine == "auto":
+            return "megakernel" if self.device == "cuda" else "torch"
+        return self.engine
+
+
+class ThroughputTier(TierCommon):
+    engine: Literal["torch", "sglang"] = Field(
+        "torch", description="Batched engine: `torch` (continuous batching, CPU or GPU) or "
+        "`sglang` (stock SGLang, cuda only, `pip install megaserve[sglang]`).",
+    )
+    max_batch: int = Field(
+        8, ge=1, description="Sequences decoded together per replica (torch engine's KV slots)."
+    )
+    max_ongoing_requests: int = Field(
+        32, ge=1, description="Requests a replica accepts at once (running + queued inside it).",
+    )
+    sglang_args: dict[str, object] = Field(
+        default_factory=dict, description="Extra keyword arguments for `sglang.Engine` "
+        "(e.g. mem_fraction_static); the tier's tp_size and the model path are set for you.",
+    )
+
+    @model_validator(mode="after")
+    def _engine_rules(self):
+        if self.engine == "sglang" and self.device != "cuda":
+            raise ValueError("throughput.engine sglang needs throughput.device: cuda")
+        if self.sglang_args and self.engine != "sglang":
+            raise ValueError("throughput.sglang_args is only used with engine: sglang")
+        if self.max_ongoing_requests < self.max_batch:
+            raise ValueError("throughput.max_ongoing_requests must be >= max_batch")
+        return self
+
+
+class Routing(_Strict):
+    latency_max_prompt_tokens: int = Field(
+        4096, ge=1, description="`auto` requests with longer prompts go to the throughput tier.",
+    )
+    latency_wait_seconds: float = Field(
+        0.05, ge=0, le=60, description="How long a latency request waits for a free latency "
+        "replica before it spills over (or is rejected).",
+    )
+    spillover: bool = Field(
+        True, description="Send latency requests to the throughput tier when every latency "
+        "replica stays busy past latency_wait_seconds; else reject them with 429.",
+    )
+    retry_after_seconds: int = Field(
+        1, ge=0, description="Retry-After header value on 429 / 503 responses."
+    )
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, description="Larger request bodies get 413."
+    )
+    router_replicas: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")
+
+
+class Metrics(_Strict):
+    port: int = Field(
+        9400, ge=1, le=65535, description="Per-node metrics endpoint (served by one megaserve "
+        "process per node, summing every process' metrics).",
+    )
+    multiproc_dir: str = Field(
+        "/tmp/megaserve-metrics", description="Node-local folder where every megaserve process "
+        "writes its metrics (PROMETHEUS_MULTIPROC_DIR).",
+    )
+    bind_host: str = Field(
+        "127.0.0.1", description="Address the metrics endpoint binds; 0.0.0.0 in a cluster.",
+    )
+
+
+class AppConfig(_Strict):
+    model: ModelSpec = Field(default_factory=ModelSpec, description="What to serve.")
+    latency: LatencyTier = Field(
+        default_factory=LatencyTier, description="Batch-1 replicas for `priority` requests."
+    )
+    throughput: ThroughputTier = Field(
+        default_factory=ThroughputTier, description="Batched replicas for everything else."
+    )
+    routing: Routing = Field(default_factory=Routing, description="Tier policy and limits.")
+    metrics: Metrics = Field(default_factory=Metrics, description="Where metrics are served.")
+
+    @model_validator(mode="after")
+    def _tiers(self):
+        if not (self.latency.enabled or self.throughput.enabled):
+            raise ValueError("at least one of latency.enabled / throughput.enabled must be true")
+        if self.model.max_context is not None:
+            for tier in ("latency", "throughput"):
+                if getattr(self, tier).max_seq_len < self.model.max_context:
+                    raise ValueError(
+                        f"{tier}.max_seq_len ({getattr(self, tier).max_seq_len}) is shorter "
+                        f"than model.max_context ({self.model.max_context})"
+                    )
+        return self

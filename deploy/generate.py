@@ -1,0 +1,149 @@
+"""`megaserve generate`: one prompt, tokens streamed as they come, with the tier and step latency.
+
+Two ways: `--model DIR` runs an engine in this process (no Ray, no web stack: this is how any
+Hugging Face-format directory is checked on a GPU machine, `--json` giving prompt and generated
+ids and per-step ms), and `--url` asks a running server through its OpenAI API with plain stdlib
+HTTP, printing the tier the router used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from megaserve.deploy.env import Environment
+
+SSE_DATA = "data: "
+
+
+def _prompt_ids(tokenizer, args: argparse.Namespace) -> list[int]:
+    if args.raw:
+        return tokenizer.encode(args.prompt, add_special_tokens=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_in_process(args: argparse.Namespace, env: Environment) -> int:
+    from megaserve.replicas.engines import create_engine
+    from megaserve.replicas.protocol import GenerateRequest, SamplingParams
+    from megaserve.router.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tokenizer = Tokenizer.from_dir(args.model)
+    prompt_ids = _prompt_ids(tokenizer, args)
+    settings = {"device": args.device or _default_device(), "max_batch": 1}
+    if args.engine == "megakernel":
+        settings = {"device": "cuda", "kernel_cache": str(env.kernel_cache)}
+    engine = create_engine(args.engine, model_dir=args.model, **settings)
+    request = GenerateRequest(
+        request_id="cli",
+        prompt_token_ids=tuple(prompt_ids),
+        sampling=SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+        ),
+    )
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    token_ids: list[int] = []
+    step_ms: list[float] = []
+    finish_reason = None
+
+    async def consume() -> None:
+        nonlocal finish_reason
+        async for output in engine.generate(request):
+            token_ids.extend(output.token_ids)
+            step_ms.extend(s * 1e3 for s in output.step_seconds)
+            text = "".join(detokenizer.push(t) for t in output.token_ids)
+            if not args.json:
+                print(text, end="", flush=True)
+            if output.finish_reason is not None:
+                finish_reason = output.finish_reason.value
+                if output.error:
+                    raise RuntimeError(output.error)
+        await engine.shutdown()
+
+    asyncio.run(consume())
+    if args.json:
+        print(json.dumps({
+            "engine": args.engine, "prompt_token_ids": prompt_ids, "token_ids": token_ids,
+            "text": tokenizer.decode(token_ids), "finish_reason": finish_reason,
+            "step_ms": [round(ms, 4) for ms in step_ms],
+        }))
+    else:
+        decode = sorted(step_ms[1:]) or step_ms
+        print(f"\n[{args.engine}] {len(token_ids)} tokens, prefill {step_ms[0]:.2f} ms, "
+              f"decode step median {decode[len(decode) // 2]:.3f} ms, finish {finish_reason}",
+              file=sys.stderr)
+    return 0
+
+
+def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> int:
+    body: dict = {
+        "model": _served_model(url, args.api_key),
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "stream": True, "stream_options": {"include_usage": True},
+        "service_tier": {"latency": "priority", "throughput": "default"}.get(args.tier, "auto"),
+    }
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.top_k:
+        body["top_k"] = args.top_k
+    if args.raw:
+        path, body["prompt"] = "/v1/completions", args.prompt
+    else:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
+    request = urllib.request.Request(
+        url.rstrip("/") + path, data=json.dumps(body).encode(), headers=_headers(args.api_key),
+    )
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    usage = None
+    try:
+        with urllib.request.urlopen(request) as response:
+            tier = response.headers.get("x-megaserve-tier", "?")
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith(SSE_DATA) or line == SSE_DATA + "[DONE]":
+                    continue
+                chunk = json.loads(line[len(SSE_DATA):])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    if piece:
+                        arrivals.append(time.perf_counter())
+                        if not args.json:
+                            print(piece, end="", flush=True)
+    except urllib.error.HTTPError as error:
+        print(f"error {error.code}: {error.read().decode()}", file=sys.stderr)
+        return 1
+    total = time.perf_counter() - started
+    tokens = (usage or {}).get("completion_tokens", len(arrivals))
+    ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")
+    per_token = (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1) * 1e3 if arrivals else float("nan")
+    summary = {"tier": tier, "completion_tokens": tokens, "ttft_ms": round(ttft, 2),
+               "ms_per_token_client": round(per_token, 3), "total_s": round(total, 3)}
+    print(json.dumps(summary) if args.json else f"\n{summary}", file=sys.stdout if args.json else sys.stderr)
+    return 0
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def _served_model(url: str, api_key: str | None) -> str:
+    request = urllib.request.Request(url.rstrip("/") + "/v1/models", headers=_headers(api_key))
+    with urllib.request.urlopen(request) as response:
+        return json.load(response)["data"][0]["id"]

@@ -1,0 +1,129 @@
+"""`megaserve up`: a local Ray cluster in this process, the app from a Serve config, until Ctrl-C.
+
+The config file is an ordinary Ray Serve config (the same file works with `serve run` and
+`serve deploy`); with none, the packaged `local.yaml` serves the embedded demo model on the CPU
+with one replica of each tier on 127.0.0.1:8000. Ray's token authentication stays on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megaserve.deploy.config import AppConfig
+from megaserve.deploy.env import Environment
+
+STATUS_POLL_SECONDS = 0.5
+
+
+def load_serve_config(path: str | None) -> dict[str, Any]:
+    """The Serve config as a dict: the file at `path`, or the packaged local.yaml."""
+    if path is None:
+        text = resources.files("megaserve.deploy").joinpath("local.yaml").read_text()
+    else:
+        text = Path(path).read_text()
+    config = yaml.safe_load(text)
+    if not isinstance(config, dict) or not config.get("applications"):
+        raise ValueError(f"{path or 'local.yaml'}: a Serve config needs an `applications` list")
+    return config
+
+
+def _say(message: str) -> None:
+    print(f"megaserve: {message}", flush=True)
+
+
+def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
+    """Fresh metrics folders (counters restart with the cluster) and the demo model, made once
+    here rather than raced by every replica."""
+    for app in app_configs:
+        shutil.rmtree(app.metrics.multiproc_dir, ignore_errors=True)
+        os.makedirs(app.metrics.multiproc_dir, exist_ok=True)
+        if app.model.path is None:
+            from megaserve.replicas.models.demo import ensure_demo_model
+
+            _say(f"demo model at {ensure_demo_model(env.home)}")
+
+
+def _deployment_progress(status) -> str:
+    parts = []
+    for app_name, app in status.applications.items():
+        for name, dep in app.deployments.items():
+            parts.append(f"{name}={dep.status.value}")
+        parts.insert(0, f"{app_name}: {app.status.value}")
+    return ", ".join(parts)
+
+
+def serve_until_interrupted(config_path: str | None, host: str | None, port: int | None,
+                            timeout: float, env: Environment) -> int:
+    started = time.monotonic()
+    config = load_serve_config(config_path)
+    http = dict(config.get("http_options") or {})
+    http["host"] = host or http.get("host", "127.0.0.1")
+    http["port"] = port or http.get("port", 8000)
+    applications = config["applications"]
+    app_configs = [AppConfig.model_validate(app.get("args") or {}) for app in applications]
+    _prepare_node(app_configs, env)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+    from ray import serve
+
+    _say(f"starting Ray (auth mode: {os.environ['RAY_AUTH_MODE']})")
+    ray.init(runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        serve.start(http_options=http)
+        failures: list[BaseException] = []
+
+        def deploy_all() -> None:  # serve.run waits for RUNNING; progress is printed meanwhile
+            try:
+                for app, app_config in zip(applications, app_configs):
+                    module, _, attr = app["import_path"].partition(":")
+                    builder = getattr(importlib.import_module(module), attr)
+                    serve.run(builder(app_config), name=app.get("name", "default"),
+                              route_prefix=app.get("route_prefix", "/"))
+            except BaseException as error:  # reported by the main thread
+                failures.append(error)
+
+        deployer = threading.Thread(target=deploy_all, daemon=True)
+        deployer.start()
+        last = ""
+        while True:
+            status = serve.status()
+            progress = _deployment_progress(status)
+            if progress != last:
+                _say(progress)
+                last = progress
+            if failures:
+                _say(f"deploying failed: {failures[0]}")
+                return 1
+            if not deployer.is_alive():
+                break
+            states = {a.status.value for a in status.applications.values()}
+            if "DEPLOY_FAILED" in states or time.monotonic() - started > timeout:
+                _say("the app did not start; see the messages above and Ray's logs")
+                return 1
+            time.sleep(STATUS_POLL_SECONDS)
+        url = f"http://{http['host']}:{http['port']}"
+        metrics = ", ".join(f"{c.metrics.bind_host}:{c.metrics.port}" for c in app_configs)
+        _say(f"ready in {time.monotonic() - started:.1f} s: {url}/v1 (metrics on {metrics}); "
+             "Ctrl-C stops")
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _say("stopping")
+        serve.shutdown()
+        ray.shutdown()
+    return 0

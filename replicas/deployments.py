@@ -1,0 +1,72 @@
+"""Ray Serve deployments of the two tiers: thin wrappers that own one Engine each.
+
+`LatencyReplica` serves one request at a time (`max_ongoing_requests=1`: a batch-1 engine must
+never interleave requests); `ThroughputReplica` takes many. Resources (GPUs, placement-group
+bundles, accelerator label) are set by `megaserve.deploy.builder`, not here. The router calls
+`generate` through a streaming DeploymentHandle; Ray cancels the call when the router closes the
+stream (client disconnect), which closes the engine's async generator at the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ray import serve
+
+from megaserve.monitoring.exporter import start_node_exporter
+from megaserve.replicas.engines import create_engine
+from megaserve.replicas.models.demo import ensure_demo_model
+from megaserve.replicas.protocol import EngineHealth, GenerateRequest, StepOutput
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Everything a replica needs to build its engine; plain data so it pickles into Serve."""
+
+    engine: str  # "torch" | "megakernel" | "sglang"
+    engine_settings: dict = field(default_factory=dict)  # keyword arguments of the engine
+    model_path: str | None = None  # None: the embedded demo model under `home`
+    home: str = ""  # MEGASERVE_HOME of the node, where the demo model is created
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9400
+
+    def resolve_model_dir(self) -> str:
+        if self.model_path is not None:
+            return self.model_path
+        return str(ensure_demo_model(Path(self.home)))
+
+
+class _Replica:
+    def __init__(self, spec: ReplicaSpec) -> None:
+        start_node_exporter(spec.metrics_host, spec.metrics_port)
+        self.engine = create_engine(
+            spec.engine, model_dir=spec.resolve_model_dir(), **spec.engine_settings
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        async for output in self.engine.generate(request):
+            yield output
+
+    async def health(self) -> EngineHealth:
+        return await self.engine.health()
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: an unhealthy engine makes Serve replace the replica."""
+        report = await self.engine.health()
+        if not report.healthy:
+            raise RuntimeError(f"engine unhealthy: {report.detail}")
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()
+
+
+@serve.deployment(max_ongoing_requests=1, health_check_period_s=10)
+class LatencyReplica(_Replica):
+    """Batch-1 replica of the latency tier (megakernel on GPU, TorchEngine on CPU)."""
+
+
+@serve.deployment(max_ongoing_requests=32, health_check_period_s=10)
+class ThroughputReplica(_Replica):
+    """Continuously batched replica of the throughput tier (SGLang on GPU, TorchEngine on CPU)."""
