@@ -19,7 +19,7 @@ from megaserve.monitoring.exporter import MULTIPROC_ENV
 from megaserve.replicas.deployments import LatencyReplica, ReplicaSpec, ThroughputReplica
 from megaserve.replicas.protocol import Tier
 from megaserve.router.deployment import RouterDeployment
-from megaserve.router.policy import RouterSettings
+from megaserve.router.settings import RouterSettings
 
 # NVLink multicast (NVLS) can take a shared host's GPUs out of service; never let NCCL use it.
 GPU_PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -81,36 +81,46 @@ def _engine_settings(tier_name: Tier, tier: TierCommon, config: AppConfig, env: 
 
 
 def _replica_spec(tier_name: Tier, tier: LatencyTier | ThroughputTier, engine: str, max_batch: int,
-                  config: AppConfig, env: Environment) -> ReplicaSpec:
+                  config: AppConfig, env: Environment, model_dir: str) -> ReplicaSpec:
     return ReplicaSpec(
         engine=engine,
         engine_settings=_engine_settings(tier_name, tier, config, env, engine, max_batch),
-        model_path=config.model.path,
-        home=str(env.home),
+        model_dir=model_dir,
         metrics_host=config.metrics.bind_host,
         metrics_port=config.metrics.port,
     )
 
 
-def router_settings(config: AppConfig, env: Environment) -> RouterSettings:
+def model_dir(config: AppConfig, env: Environment) -> str:
+    """The model directory every process reads. The demo model is made here, once, on the node
+    that builds the app: it is for single-node use; multi-node configs name a shared `path`."""
+    if config.model.path is not None:
+        return config.model.path
+    from megaserve.replicas.models.demo import ensure_demo_model
+
+    return str(ensure_demo_model(env.home))
+
+
+def router_settings(config: AppConfig, env: Environment, model_dir: str) -> RouterSettings:
+    """Capacities are per router replica: each router gets an even share of every tier."""
     tiers = [t for t in (config.latency, config.throughput) if t.enabled]
     max_context = config.model.max_context or min(t.max_seq_len for t in tiers)
+    routers = config.routing.router_replicas
+    latency_slots = config.latency.num_replicas if config.latency.enabled else 0
+    throughput_slots = (config.throughput.num_replicas * config.throughput.max_ongoing_requests
+                        if config.throughput.enabled else 0)
     return RouterSettings(
         model_name=config.model.name,
-        model_dir=config.model.path,
-        demo_home=str(env.home),
+        model_dir=model_dir,
+        max_context=max_context,
+        latency_capacity=-(-latency_slots // routers),
+        throughput_capacity=-(-throughput_slots // routers),
         api_keys=env.api_keys,
         max_body_bytes=config.routing.max_body_bytes,
         latency_max_prompt_tokens=config.routing.latency_max_prompt_tokens,
         latency_wait_seconds=config.routing.latency_wait_seconds,
         spillover=config.routing.spillover,
-        latency_capacity=config.latency.num_replicas if config.latency.enabled else 0,
-        throughput_capacity=(
-            config.throughput.num_replicas * config.throughput.max_ongoing_requests
-            if config.throughput.enabled else 0
-        ),
         retry_after_seconds=config.routing.retry_after_seconds,
-        max_context=max_context,
     )
 
 
@@ -119,6 +129,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     env = Environment.read()
     process_env = _process_env(config, env)
+    directory = model_dir(config, env)
 
     latency = None
     if config.latency.enabled:
@@ -127,7 +138,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
             num_replicas=tier.num_replicas,
             ray_actor_options=_actor_options(tier, process_env),
             **_placement(tier),
-        ).bind(_replica_spec(Tier.LATENCY, tier, tier.resolved_engine, 1, config, env))
+        ).bind(_replica_spec(Tier.LATENCY, tier, tier.resolved_engine, 1, config, env,
+                            directory))
 
     throughput = None
     if config.throughput.enabled:
@@ -137,10 +149,11 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
             max_ongoing_requests=tier.max_ongoing_requests,
             ray_actor_options=_actor_options(tier, process_env),
             **_placement(tier),
-        ).bind(_replica_spec(Tier.THROUGHPUT, tier, tier.engine, tier.max_batch, config, env))
+        ).bind(_replica_spec(Tier.THROUGHPUT, tier, tier.engine, tier.max_batch, config, env,
+                            directory))
 
     return RouterDeployment.options(
         num_replicas=config.routing.router_replicas,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": process_env}},
-    ).bind(router_settings(config, env), latency, throughput, config.metrics.bind_host,
+    ).bind(router_settings(config, env, directory), latency, throughput, config.metrics.bind_host,
            config.metrics.port)

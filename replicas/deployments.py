@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ray import serve
 
 from megaserve.monitoring.exporter import start_node_exporter
 from megaserve.replicas.engines import create_engine
-from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.protocol import EngineHealth, GenerateRequest, StepOutput
 
 
@@ -27,22 +25,16 @@ class ReplicaSpec:
 
     engine: str  # "torch" | "megakernel" | "sglang"
     engine_settings: dict = field(default_factory=dict)  # keyword arguments of the engine
-    model_path: str | None = None  # None: the embedded demo model under `home`
-    home: str = ""  # MEGASERVE_HOME of the node, where the demo model is created
+    model_dir: str = ""  # Hugging Face-format directory, readable on the replica's node
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9400
-
-    def resolve_model_dir(self) -> str:
-        if self.model_path is not None:
-            return self.model_path
-        return str(ensure_demo_model(Path(self.home)))
 
 
 class _Replica:
     def __init__(self, spec: ReplicaSpec) -> None:
         start_node_exporter(spec.metrics_host, spec.metrics_port)
         self.engine = create_engine(
-            spec.engine, model_dir=spec.resolve_model_dir(), **spec.engine_settings
+            spec.engine, model_dir=spec.model_dir, **spec.engine_settings
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
