@@ -14,7 +14,16 @@ and `megaserve generate`/`bench` run that way).
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from megaserve.monitoring.exporter import multiprocess_dir
+
+# The node's metrics folder must exist before the first sample is written (any process may be
+# the first one on its node).
+if multiprocess_dir() is not None:
+    os.makedirs(multiprocess_dir(), exist_ok=True)
 
 # Batch-1 decode steps take 0.5-10 ms on a GPU; the CPU demo takes tens of ms; prefill of long
 # prompts takes up to seconds. Edges are dense below 10 ms so that p99 of a sub-ms step is visible.

@@ -1,0 +1,68 @@
+"""The config schema: defaults, cross-field rules, and the packaged local.yaml."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from megaserve.deploy.config import AppConfig
+from megaserve.deploy.local import load_serve_config
+
+
+def test_defaults_serve_the_demo_model_on_cpu_with_both_tiers():
+    config = AppConfig()
+    assert config.model.path is None
+    assert config.latency.enabled and config.throughput.enabled
+    assert config.latency.resolved_engine == "torch"
+
+
+def test_every_field_has_a_description():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, AppConfig.__base__):
+                walk(annotation)
+
+    walk(AppConfig)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"latency": {"enabled": False}, "throughput": {"enabled": False}}, "at least one"),
+    ({"latency": {"engine": "megakernel"}}, "needs latency.device: cuda"),
+    ({"latency": {"tp_size": 2}}, "tp_size > 1 needs device: cuda"),
+    ({"latency": {"device": "cuda", "tp_size": 3}}, "tp_size must be 1, 2, 4 or 8"),
+    ({"throughput": {"engine": "sglang"}}, "needs throughput.device: cuda"),
+    ({"throughput": {"max_batch": 64, "max_ongoing_requests": 8}}, "max_ongoing_requests"),
+    ({"model": {"max_context": 4096}}, "shorter than model.max_context"),
+    ({"latency": {"accelerator_type": "H200"}}, "accelerator_type"),
+    ({"routing": {"latency_wait_seconds": -1}}, "latency_wait_seconds"),
+    ({"unknown_section": {}}, "unknown_section"),
+])
+def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
+    with pytest.raises(ValidationError, match=message):
+        AppConfig.model_validate(args)
+
+
+def test_cuda_latency_tier_picks_the_megakernel():
+    config = AppConfig.model_validate({"latency": {"device": "cuda", "tp_size": 8}})
+    assert config.latency.resolved_engine == "megakernel"
+
+
+def test_packaged_local_yaml_is_a_valid_serve_config_and_app_config():
+    config = load_serve_config(None)
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "megaserve.deploy.builder:build_app"
+    parsed = AppConfig.model_validate(app["args"])
+    assert config["http_options"]["host"] == "127.0.0.1"
+    assert parsed.latency.device == parsed.throughput.device == "cpu"
+
+
+def test_a_serve_config_without_applications_is_refused(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text(yaml.safe_dump({"http_options": {"port": 8000}}))
+    with pytest.raises(ValueError, match="applications"):
+        load_serve_config(str(path))

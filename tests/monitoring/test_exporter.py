@@ -1,0 +1,101 @@
+"""The node exporter: several processes, one port, their metrics summed, take-over on death."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+
+RECORDER = textwrap.dedent("""
+    import sys, time
+    from megaserve.monitoring import metrics
+    from megaserve.monitoring.exporter import start_node_exporter
+    port, tokens = int(sys.argv[1]), int(sys.argv[2])
+    metrics.GENERATION_TOKENS.labels(tier="latency", model="m").inc(tokens)
+    metrics.BUSY_REPLICAS.labels(tier="latency", model="m").set(1)
+    metrics.STEP_DURATION.labels(tier="latency", model="m", phase="decode").observe(0.0004)
+    start_node_exporter("127.0.0.1", port, retry_seconds=0.2)
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def _wait_for(predicate, seconds: float = 20.0):
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            result = predicate()
+            if result:
+                return result
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def recorders(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics"))
+    procs = []
+
+    def start(tokens: int) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", RECORDER, str(port), str(tokens)],
+                                env=env, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        procs.append(proc)
+        return proc
+
+    yield port, start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_one_port_serves_the_sum_of_every_process(recorders):
+    port, start = recorders
+    start(3)
+    start(4)
+    tokens = 'megaserve_generation_tokens_total{model="m",tier="latency"}'
+    samples = _wait_for(lambda: (s := _scrape(port)).get(tokens) == 7 and s)
+    assert samples['megaserve_busy_replicas{model="m",tier="latency"}'] == 2
+    bucket = 'megaserve_step_duration_seconds_bucket{le="0.0005",model="m",phase="decode",tier="latency"}'
+    assert samples[bucket] == 2
+
+
+def test_another_process_takes_over_and_dead_gauges_are_retired(recorders):
+    port, start = recorders
+    first = start(3)
+    start(4)
+    busy = 'megaserve_busy_replicas{model="m",tier="latency"}'
+    _wait_for(lambda: _scrape(port).get(busy) == 2)
+    first.kill()
+    first.wait()
+    # Whichever process held the port, the survivor serves within the retry period, and the dead
+    # process' live gauge no longer counts; its counter increments stay (counters are totals).
+    samples = _wait_for(lambda: (s := _scrape(port)).get(busy) == 1 and s)
+    assert samples['megaserve_generation_tokens_total{model="m",tier="latency"}'] == 7
