@@ -1,0 +1,192 @@
+"""Next-token selection on the device, for a batch of rows with their own sampling parameters.
+
+Per row: greedy (argmax), or temperature, then top-k, then top-p (nucleus), then a draw. Every
+step runs as tensor ops on the logits' device with no host sync: the parameters live on the
+device (`SamplingRows`, built once when a request is admitted, gathered per step), and which
+stages run at all is decided from host-side flags computed at the same time.
+
+The draw is Gumbel-max: the chosen token is argmax(logits / T + g) over the kept tokens, with
+g = -log(-log(u)) and u uniform in (0, 1). A row with a seed takes its u from a counter-based
+hash of (seed, position of the token being generated, vocabulary index), so its tokens are the
+same on every run whatever else shares the batch; a row without a seed takes u from a
+`torch.Generator`.
+
+`sample` is also the batch-1 path for engines that produce logits for one sequence (the
+megakernel engine's sampled decoding): `SamplingRows.build([params], vocab_size, device)` once
+per request, then `sample(logits[None], rows, position_tensor)` each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .protocol import SamplingParams
+
+# 32-bit hashing in int64 tensors: values stay below 2**32 and products below 2**63, so no op
+# relies on integer overflow (torch's right shift is arithmetic, its overflow undefined).
+MASK32 = 0xFFFFFFFF
+HALF_BITS = 16
+HALF_MASK = 0xFFFF
+# The two multipliers of Chris Wellons' "lowbias32" integer hash (good avalanche, 2 rounds).
+HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+HASH_SHIFTS = (16, 15, 16)
+# A float32 holds 24 mantissa bits: u = (top 24 bits of the hash + 0.5) / 2**24 lies in (0, 1).
+UNIFORM_BITS = 24
+# Domain separation for the three hash inputs, so that (seed, position, token) never alias.
+SEED_HIGH_SALT = 0x9E3779B9
+POSITION_SALT = 0x85EBCA77
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for x in [0, 2**32), split in 16-bit halves so nothing overflows."""
+    low = x * (constant & HALF_MASK)  # < 2**48
+    high = ((x * (constant >> HALF_BITS)) & HALF_MASK) << HALF_BITS  # < 2**32
+    return (low + high) & MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of each element of the int64 tensor x (elements in [0, 2**32))."""
+    x = x ^ (x >> HASH_SHIFTS[0])
+    x = _mul32(x, HASH_MULTIPLIERS[0])
+    x = x ^ (x >> HASH_SHIFTS[1])
+    x = _mul32(x, HASH_MULTIPLIERS[1])
+    return x ^ (x >> HASH_SHIFTS[2])
+
+
+def seeded_uniform(
+    seed_low: torch.Tensor, seed_high: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """u in (0, 1), float32 [B, V], a pure function of (seed, position, token index) per row.
+
+    seed_low, seed_high: [B] int64, the two 32-bit halves of each row's seed; positions: [B] int64.
+    """
+    row_key = hash32(seed_low ^ hash32((seed_high ^ SEED_HIGH_SALT) ^ hash32(positions ^ POSITION_SALT)))
+    token_key = hash32(torch.arange(vocab_size, device=positions.device, dtype=torch.int64))
+    bits = hash32(row_key[:, None] ^ token_key[None, :]) >> (32 - UNIFORM_BITS)  # [B, V]
+    return (bits.to(torch.float32) + 0.5) / float(1 << UNIFORM_BITS)
+
+
+@dataclass
+class SamplingRows:
+    """The sampling parameters of B rows, as [B] tensors on the device plus host-side flags."""
+
+    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows (never divides by zero)
+    top_k: torch.Tensor  # [B] int64; vocab_size where top-k is off
+    top_p: torch.Tensor  # [B] float32
+    seed_low: torch.Tensor  # [B] int64, low 32 bits of the seed (0 where unseeded)
+    seed_high: torch.Tensor  # [B] int64, high 32 bits
+    seeded: torch.Tensor  # [B] bool
+    greedy: torch.Tensor  # [B] bool
+    # Host-side: which stages this batch needs, known without looking at the device.
+    all_greedy: bool
+    needs_filter: bool  # some sampled row has top-k or top-p
+    any_seeded: bool  # some sampled row has a seed
+    any_unseeded: bool  # some sampled row has none
+
+    @classmethod
+    def build(
+        cls, params: Sequence[SamplingParams], vocab_size: int, device: str | torch.device
+    ) -> SamplingRows:
+        """One row per entry of `params`; one small host-to-device copy per field."""
+        seeds = [(p.seed or 0) % (1 << 64) for p in params]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            temperature=tensor([1.0 if p.greedy else p.temperature for p in params], torch.float32),
+            top_k=tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            seed_low=tensor([seed & MASK32 for seed in seeds], torch.int64),
+            seed_high=tensor([seed >> 32 for seed in seeds], torch.int64),
+            seeded=tensor([p.seed is not None for p in params], torch.bool),
+            greedy=tensor([p.greedy for p in params], torch.bool),
+            **_stage_flags(params, vocab_size),
+        )
+
+
+def _stage_flags(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, bool]:
+    """The host-side flags of `SamplingRows` for rows with these parameters."""
+    sampled = [p for p in params if not p.greedy]
+    return {
+        "all_greedy": not sampled,
+        "needs_filter": any(0 < p.top_k < vocab_size or p.top_p < 1 for p in sampled),
+        "any_seeded": any(p.seed is not None for p in sampled),
+        "any_unseeded": any(p.seed is None for p in sampled),
+    }
+
+
+class SamplingTable:
+    """Per-slot parameters for an engine with `num_slots` KV-cache rows: written once when a
+    request is admitted to a slot, gathered on the device for each step's rows."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: str | torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._params: list[SamplingParams] = [SamplingParams(temperature=0)] * num_slots
+        self._rows = SamplingRows.build(self._params, vocab_size, device)
+
+    def assign(self, slot: int, params: SamplingParams) -> None:
+        """Write the parameters of the request admitted to `slot` (a few scalar copies)."""
+        self._params[slot] = params
+        one = SamplingRows.build([params], self.vocab_size, self.device)
+        for name in ("temperature", "top_k", "top_p", "seed_low", "seed_high", "seeded", "greedy"):
+            getattr(self._rows, name)[slot] = getattr(one, name)[0]
+
+    def gather(self, slots: list[int], slot_index: torch.Tensor) -> SamplingRows:
+        """The rows of `slots` (host list) in that order; slot_index is the same ids on the device."""
+        rows = self._rows
+        return SamplingRows(
+            temperature=rows.temperature[slot_index],
+            top_k=rows.top_k[slot_index],
+            top_p=rows.top_p[slot_index],
+            seed_low=rows.seed_low[slot_index],
+            seed_high=rows.seed_high[slot_index],
+            seeded=rows.seeded[slot_index],
+            greedy=rows.greedy[slot_index],
+            **_stage_flags([self._params[slot] for slot in slots], self.vocab_size),
+        )
+
+
+def _keep_mask(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """[B, V] bool: the tokens that survive top-k, then top-p over the top-k renormalized."""
+    vocab_size = scaled.shape[-1]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab_size, device=scaled.device)
+    keep_sorted = rank[None, :] < rows.top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    # Keep a token while the mass strictly before it is below top_p: the top token always stays.
+    keep_sorted &= (torch.cumsum(probs, dim=-1) - probs) < rows.top_p[:, None]
+    return torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: SamplingRows,
+    positions: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token per row: logits [B, V] float32, positions [B] int64 (the position the new
+    token will take in its sequence, which keys the seeded noise) -> token ids [B] int64, on the
+    logits' device and without a host sync."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if rows.all_greedy:
+        return greedy_tokens
+    scaled = logits / rows.temperature[:, None]
+    if rows.needs_filter:
+        scaled = scaled.masked_fill(~_keep_mask(scaled, rows), float("-inf"))
+    batch, vocab_size = logits.shape
+    if rows.any_seeded and rows.any_unseeded:
+        random = torch.rand((batch, vocab_size), device=logits.device, generator=generator)
+        seeded = seeded_uniform(rows.seed_low, rows.seed_high, positions, vocab_size)
+        uniform = torch.where(rows.seeded[:, None], seeded, random)
+    elif rows.any_seeded:
+        uniform = seeded_uniform(rows.seed_low, rows.seed_high, positions, vocab_size)
+    else:
+        uniform = torch.rand((batch, vocab_size), device=logits.device, generator=generator)
+    gumbel = -torch.log(-torch.log(uniform))
+    sampled_tokens = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(rows.greedy, greedy_tokens, sampled_tokens)

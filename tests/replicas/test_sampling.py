@@ -1,0 +1,114 @@
+"""Device-side sampling: greedy, temperature, top-k, top-p, seeded reproducibility."""
+
+from __future__ import annotations
+
+import torch
+
+from megaserve.replicas.protocol import SamplingParams
+from megaserve.replicas.sampling import SamplingRows, SamplingTable, hash32, sample, seeded_uniform
+
+VOCAB = 50
+DRAWS = 20_000  # rows drawn at once for distribution checks
+FREQUENCY_TOLERANCE = 0.015  # ~4 standard deviations of a frequency near 0.25 over DRAWS draws
+
+
+def _logits(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int], generator=None):
+    rows = SamplingRows.build(params, VOCAB, "cpu")
+    return sample(logits, rows, torch.tensor(positions), generator)
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = _logits(4)
+    tokens = _draw(logits, [SamplingParams(temperature=0)] * 4, [0] * 4)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_tiny_top_p_equals_greedy_through_the_filter():
+    # temperature > 0 and a tiny top_p send the rows through the sort-and-mask path.
+    logits = _logits(8)
+    tiny_p = [SamplingParams(temperature=1.5, top_p=1e-6, seed=s) for s in range(8)]
+    assert torch.equal(_draw(logits, tiny_p, list(range(8))), logits.argmax(-1))
+
+
+def test_top_k_restricts_draws_to_the_k_most_likely():
+    logits = _logits(1).expand(DRAWS, VOCAB)
+    params = [SamplingParams(temperature=5.0, top_k=3, seed=i) for i in range(DRAWS)]
+    tokens = _draw(logits, params, [0] * DRAWS)
+    top3 = set(logits[0].topk(3).indices.tolist())
+    assert set(tokens.tolist()) == top3  # all three appear at this temperature, nothing else
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two (0.5 < 0.7 <= 0.8).
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.full((DRAWS, VOCAB), -1e9)
+    logits[:, :4] = probs.log()
+    params = [SamplingParams(temperature=1.0, top_p=0.7)] * DRAWS
+    tokens = _draw(logits, params, [0] * DRAWS, torch.Generator().manual_seed(1))
+    counts = torch.bincount(tokens, minlength=VOCAB).float() / DRAWS
+    assert counts[2:].sum() == 0
+    assert abs(counts[0] - 0.5 / 0.8) < FREQUENCY_TOLERANCE
+
+
+def test_temperature_sampling_follows_softmax_for_seeded_and_unseeded_rows():
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0])
+    logits = torch.full((DRAWS, VOCAB), -1e9)
+    logits[:, :4] = base
+    temperature = 1.7
+    expected = torch.softmax(base / temperature, -1)
+    seeded = [SamplingParams(temperature=temperature, seed=i) for i in range(DRAWS)]
+    unseeded = [SamplingParams(temperature=temperature)] * DRAWS
+    for params, generator in ((seeded, None), (unseeded, torch.Generator().manual_seed(2))):
+        tokens = _draw(logits, params, [7] * DRAWS, generator)
+        frequency = torch.bincount(tokens, minlength=VOCAB)[:4].float() / DRAWS
+        assert (frequency - expected).abs().max() < FREQUENCY_TOLERANCE, (frequency, expected)
+
+
+def test_seeded_rows_ignore_their_batch_neighbours():
+    logits = _logits(6)
+    params = [SamplingParams(temperature=1.0, seed=1234)] + [SamplingParams(temperature=1.0)] * 5
+    alone = _draw(logits[:1], params[:1], [5])
+    for neighbour_seed in range(5):
+        generator = torch.Generator().manual_seed(neighbour_seed)
+        together = _draw(logits, params, [5, 1, 2, 3, 4, 9], generator)
+        assert together[0] == alone[0]
+    # the same seed at another position draws other noise
+    noise = seeded_uniform(torch.tensor([1234, 1234]), torch.tensor([0, 0]), torch.tensor([5, 6]), VOCAB)
+    assert not torch.equal(noise[0], noise[1])
+
+
+def test_seeded_noise_is_uniform_and_distinct_across_seeds():
+    seeds = torch.arange(1000)
+    noise = seeded_uniform(seeds, torch.zeros_like(seeds), torch.zeros_like(seeds), VOCAB)
+    assert 0 < noise.min() and noise.max() < 1
+    assert abs(noise.mean().item() - 0.5) < 0.01
+    assert len(set(noise[:, 0].tolist())) > 990  # distinct seeds give distinct draws
+
+
+def test_hash_stays_in_32_bits_for_extreme_inputs():
+    x = torch.tensor([0, 1, 2**31, 2**32 - 1])
+    h = hash32(x)
+    assert (h >= 0).all() and (h < 2**32).all()
+    assert len(set(h.tolist())) == 4
+
+
+def test_negative_and_huge_seeds_are_accepted():
+    logits = _logits(2)
+    params = [SamplingParams(temperature=1.0, seed=-1), SamplingParams(temperature=1.0, seed=2**70)]
+    first = _draw(logits, params, [0, 0])
+    assert torch.equal(first, _draw(logits, params, [0, 0]))
+
+
+def test_table_gathers_the_rows_of_admitted_slots():
+    table = SamplingTable(num_slots=4, vocab_size=VOCAB, device="cpu")
+    table.assign(2, SamplingParams(temperature=0.5, top_k=7, seed=3))
+    rows = table.gather([2, 0], torch.tensor([2, 0]))
+    assert rows.temperature.tolist() == [0.5, 1.0]
+    assert rows.top_k.tolist() == [7, VOCAB]
+    assert rows.greedy.tolist() == [False, True]
+    assert rows.any_seeded and not rows.any_unseeded and rows.needs_filter and not rows.all_greedy
+    assert table.gather([0, 1], torch.tensor([0, 1])).all_greedy
