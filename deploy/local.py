@@ -78,7 +78,8 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     from ray import serve
 
     _say(f"starting Ray (auth mode: {os.environ['RAY_AUTH_MODE']})")
-    ray.init(runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+    ray.init(address="local",  # always a fresh cluster of its own, never a running one
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

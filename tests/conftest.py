@@ -1,0 +1,24 @@
+"""Fixtures shared across the test tree."""
+
+from __future__ import annotations
+
+import pytest
+
+# A small live deployment: one latency replica (batch-1), one throughput replica with few slots,
+# so that tests can saturate both tiers with a handful of concurrent requests.
+LIVE_APP_ARGS = {
+    "latency": {"device": "cpu", "cpus_per_replica": 0.5, "max_seq_len": 1024},
+    "throughput": {"device": "cpu", "cpus_per_replica": 0.5, "max_seq_len": 1024,
+                   "max_batch": 2, "max_ongoing_requests": 2},
+    "routing": {"latency_wait_seconds": 0.2, "spillover": True, "retry_after_seconds": 2},
+}
+
+
+@pytest.fixture(scope="session")
+def live_stack(tmp_path_factory):
+    """The real app on Ray Serve plus a real Prometheus scraping it (see tests/live.py)."""
+    from tests.live import start_stack, stop_stack
+
+    stack = start_stack(LIVE_APP_ARGS, tmp_path_factory.mktemp("megaserve-home"))
+    yield stack
+    stop_stack(stack)

@@ -1,0 +1,62 @@
+"""`megaserve up` as a user runs it: a subprocess that serves, answers, and stops on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import yaml
+
+from megaserve.deploy.local import load_serve_config
+from tests.live import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
+    config = load_serve_config(None)
+    app = config["applications"][0]["args"]
+    app["metrics"] = {"port": free_port(), "bind_host": "127.0.0.1",
+                      "multiproc_dir": str(tmp_path / "metrics")}
+    path = tmp_path / "up.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    env = dict(os.environ, MEGASERVE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megaserve.deploy.cli", "up", str(path), "--port", str(port)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready in" in line:
+                break
+        assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
+        assert any("demo model at" in line for line in lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(
+            model="megaserve-demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        first_answer = time.monotonic() - started
+        assert reply.choices[0].message.content is not None
+        print(f"megaserve up: first request answered {first_answer:.1f} s after start")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rest, _ = proc.communicate(timeout=120)
+        finally:
+            try:  # anything the cluster left behind in the session
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "megaserve: stopping" in rest
+    assert re.search(r"ready in \d+\.\d s", "".join(lines))
