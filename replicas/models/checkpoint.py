@@ -1,0 +1,70 @@
+"""Read a Hugging Face safetensors checkpoint: one `model.safetensors`, or shards listed in
+`model.safetensors.index.json`. Files are memory-mapped (safetensors `safe_open`), so only the
+tensors asked for are read, each once; nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match what the config says the model has."""
+
+
+class Checkpoint:
+    """Tensor name -> lazily read tensor, over one or several open safetensors files."""
+
+    def __init__(self, files: dict[str, object]) -> None:
+        self._files = files  # tensor name -> the open safe_open handle holding it
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[name].get_slice(name).get_shape())
+
+    def read(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self._files[name].get_tensor(name).to(device=device, dtype=dtype)
+
+
+@contextmanager
+def open_checkpoint(path: str | Path) -> Iterator[Checkpoint]:
+    """Open every safetensors file of the checkpoint in `path` (memory-mapped) for the block."""
+    path = Path(path)
+    with ExitStack() as stack:
+        files: dict[str, object] = {}
+        for file_name, tensor_names in _shards(path).items():
+            handle = stack.enter_context(safe_open(path / file_name, framework="pt", device="cpu"))
+            present = set(handle.keys())
+            for name in tensor_names if tensor_names is not None else present:
+                if name not in present:
+                    raise CheckpointError(f"{INDEX_FILE} puts tensor {name!r} in {file_name}, which lacks it")
+                files[name] = handle
+        yield Checkpoint(files)
+
+
+def _shards(path: Path) -> dict[str, list[str] | None]:
+    """File name -> the tensor names the index assigns to it (None: every tensor in the file)."""
+    index_path = path / INDEX_FILE
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        shards: dict[str, list[str]] = {}
+        for name, file_name in weight_map.items():
+            shards.setdefault(file_name, []).append(name)
+        for file_name in shards:
+            if not (path / file_name).is_file():
+                raise FileNotFoundError(f"{INDEX_FILE} in {path} names {file_name}, which does not exist")
+        return shards
+    if (path / SINGLE_FILE).is_file():
+        return {SINGLE_FILE: None}
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")

@@ -1,0 +1,168 @@
+"""`ModelConfig`: the shape of a decoder-only model, read from a Hugging Face `config.json`.
+
+Two families share one decoder (see `decoder.py`):
+  - "llama": Llama 3 / 3.1 / 3.2 (`LlamaForCausalLM`), optionally with Llama 3.1's "llama3" RoPE
+    frequency scaling.
+  - "qwen3": Qwen3 dense (`Qwen3ForCausalLM`) = Llama plus an RMSNorm over each query and key head
+    before RoPE, and a `head_dim` that need not equal hidden_size / num_heads.
+
+Both the classic keys (`rope_theta`, `rope_scaling`, `torch_dtype`) written by real checkpoints and
+transformers 5's (`rope_parameters`, `dtype`) are accepted. Anything this decoder does not implement
+(attention bias, sliding windows, other RoPE types, other activations) is refused with a ValueError
+that names the field, rather than silently computing something else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+
+# Hugging Face architecture name -> our family name.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+# Defaults of the transformers config classes, for keys a checkpoint may leave out.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+}
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+DEFAULT_ROPE_TYPE = "default"
+LLAMA3_ROPE_TYPE = "llama3"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None, or {"rope_type": "llama3", *LLAMA3_ROPE_KEYS}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each query/key head before RoPE
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str  # the checkpoint's dtype: "float32" | "bfloat16" | "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.torch_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"torch_dtype {self.torch_dtype!r} is not one of {SUPPORTED_DTYPES}")
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        """Read `path/config.json` of a Llama 3 or Qwen3 dense checkpoint."""
+        config_path = Path(path) / CONFIG_FILE
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
+        return cls.from_hf_dict(json.loads(config_path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        family = _family(raw)
+        _refuse_unsupported(raw, family)
+        defaults = FAMILY_DEFAULTS[family]
+
+        def get(key: str) -> Any:
+            if key in raw and raw[key] is not None:
+                return raw[key]
+            if key in defaults:
+                return defaults[key]
+            raise ValueError(f"config.json lacks the required field {key!r}")
+
+        num_heads = int(get("num_attention_heads"))
+        hidden_size = int(get("hidden_size"))
+        rope_theta, rope_scaling = _rope(raw, defaults["rope_theta"])
+        return cls(
+            family=family,
+            vocab_size=int(get("vocab_size")),
+            hidden_size=hidden_size,
+            intermediate_size=int(get("intermediate_size")),
+            num_layers=int(get("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(get("max_position_embeddings")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qk_norm=family == "qwen3",
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_token_ids(raw.get("eos_token_id")),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        )
+
+
+def _family(raw: dict[str, Any]) -> str:
+    architectures = raw.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+        raise ValueError(
+            f"config.json field 'architectures' is {architectures!r}; "
+            f"supported: exactly one of {sorted(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[architectures[0]]
+
+
+def _refuse_unsupported(raw: dict[str, Any], family: str) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json field 'hidden_act' is {raw['hidden_act']!r}; only 'silu' is supported")
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if raw.get(flag):
+            raise ValueError(f"config.json field {flag!r} is true; this decoder does not support it")
+    if family == "llama" and raw.get("sliding_window"):
+        raise ValueError("config.json field 'sliding_window' is set; this decoder does not support it")
+    layer_types = raw.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError(f"config.json field 'layer_types' is {layer_types!r}; only full_attention is supported")
+
+
+def _rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either `rope_parameters` (transformers 5) or the classic
+    `rope_theta` + `rope_scaling` keys."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if params and not all(isinstance(value, (int, float, str)) for value in params.values()):
+        raise ValueError(f"config.json rope parameters {params!r} are per layer type; not supported")
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or DEFAULT_ROPE_TYPE
+    if rope_type == DEFAULT_ROPE_TYPE:
+        return theta, None
+    if rope_type != LLAMA3_ROPE_TYPE:
+        raise ValueError(
+            f"config.json field 'rope_scaling.rope_type' is {rope_type!r}; "
+            f"supported: {DEFAULT_ROPE_TYPE!r}, {LLAMA3_ROPE_TYPE!r}"
+        )
+    missing = [key for key in LLAMA3_ROPE_KEYS if key not in params]
+    if missing:
+        raise ValueError(f"config.json field 'rope_scaling' lacks {missing} for rope_type 'llama3'")
+    scaling = {"rope_type": LLAMA3_ROPE_TYPE, **{key: params[key] for key in LLAMA3_ROPE_KEYS}}
+    scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return theta, scaling
+
+
+def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(token) for token in value)
