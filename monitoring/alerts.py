@@ -1,0 +1,212 @@
+"""Prometheus alert rules for megaserve, generated into a rule file and a PrometheusRule.
+
+Latency SLOs are alerted on by error-budget burn rate over two windows (the multiwindow,
+multi-burn-rate alerts of Google's SRE workbook): a page when the last hour burns the budget
+14.4 times too fast (2% of a 30-day budget gone) and the last 5 minutes still do, a ticket at 6
+times over 6 hours and 30 minutes. The other rules watch spillover and the replicas themselves.
+
+    python -m megaserve.monitoring.alerts --write [--k8s-dir k8s]   # regenerate
+    python -m megaserve.monitoring.alerts --check [--k8s-dir k8s]   # exit 1 if stale
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megaserve.monitoring import generated, metrics
+from megaserve.monitoring.promql import METRICS_JOB, fraction_above
+
+PROG = "python -m megaserve.monitoring.alerts"
+RULES_FILE = Path(__file__).parent / "alerts" / "megaserve.rules.yaml"
+PROMETHEUS_RULE_FILE = "prometheusrule.yaml"
+PROMETHEUS_RULE_NAME = "megaserve"
+
+
+@dataclass(frozen=True)
+class LatencySLO:
+    """`objective` of the observations of `histogram` (restricted by `selector`) take at most
+    `threshold_seconds`, which must be one of the histogram's bucket edges."""
+
+    alert: str
+    summary: str
+    histogram: str
+    selector: str
+    threshold_seconds: float
+    objective: float
+    buckets: tuple[float, ...]
+
+    def __post_init__(self):
+        if self.threshold_seconds not in self.buckets:
+            raise ValueError(f"{self.alert}: {self.threshold_seconds} s is not a bucket edge of "
+                             f"{self.histogram}; pick one of {self.buckets}")
+        if not 0 < self.objective < 1:
+            raise ValueError(f"{self.alert}: objective must lie in (0, 1), got {self.objective}")
+
+
+@dataclass(frozen=True)
+class BurnWindow:
+    severity: str
+    long: str
+    short: str
+    burn_rate: float
+    hold: str  # `for:` of the alert
+
+
+BURN_WINDOWS = (
+    BurnWindow("page", long="1h", short="5m", burn_rate=14.4, hold="2m"),
+    BurnWindow("ticket", long="6h", short="30m", burn_rate=6.0, hold="15m"),
+)
+
+# A batch-1 decode step of the latency tier: ~1 ms for an 8B model on one GPU group, a few ms for
+# a 70B one; 10 ms means the replica is no longer the fast path it is sold as.
+DECODE_STEP_SLO = LatencySLO(
+    alert="MegaserveLatencyTierStepSLOBurn",
+    summary="Latency-tier decode steps are slower than {threshold} s too often",
+    histogram="megaserve_step_duration_seconds",
+    selector='tier="latency", phase="decode"',
+    threshold_seconds=0.01,
+    objective=0.99,
+    buckets=metrics.STEP_BUCKETS,
+)
+TTFT_SLO = LatencySLO(
+    alert="MegaserveLatencyTierTTFTSLOBurn",
+    summary="Latency-tier time to first token exceeds {threshold} s too often",
+    histogram="megaserve_time_to_first_token_seconds",
+    selector='tier="latency"',
+    threshold_seconds=0.5,
+    objective=0.99,
+    buckets=metrics.LATENCY_BUCKETS,
+)
+LATENCY_SLOS = (DECODE_STEP_SLO, TTFT_SLO)
+
+# Latency-tier requests that ran on the throughput tier because every latency replica stayed
+# busy: a sustained share this high means the latency tier needs more replicas.
+SPILLOVER_RATIO = 0.1
+SPILLOVER_WINDOW = "10m"
+SPILLOVER_HOLD = "15m"
+# Ray Serve's `serve_deployment_status` values (ray/serve/_private/deployment_state.py).
+DEPLOYMENT_FAILED, DEPLOYMENT_UNHEALTHY = 1, 2
+REPLICA_HOLD = "2m"
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _burn_alert(slo: LatencySLO, window: BurnWindow) -> dict:
+    budget = 1 - slo.objective
+    limit = _number(window.burn_rate * budget)
+    errors = {
+        span: fraction_above(slo.histogram, slo.threshold_seconds, slo.selector, span, ("model",))
+        for span in (window.long, window.short)
+    }
+    return {
+        "alert": slo.alert,
+        "expr": f"{errors[window.long]} > {limit}\nand\n{errors[window.short]} > {limit}\n",
+        "for": window.hold,
+        "labels": {"severity": window.severity},
+        "annotations": {
+            "summary": slo.summary.format(threshold=_number(slo.threshold_seconds)),
+            "description": (
+                f"{{{{ $labels.model }}}}: {{{{ $value | humanizePercentage }}}} of observations "
+                f"over {window.long} exceed {_number(slo.threshold_seconds)} s, against an error "
+                f"budget of {_number(budget * 100)}% ({_number(window.burn_rate)}x burn rate)."
+            ),
+        },
+    }
+
+
+def _spillover_alert() -> dict:
+    spilled = (f'sum by (model) (rate(megaserve_routed_requests_total{{reason="spillover"}}'
+               f"[{SPILLOVER_WINDOW}]))")
+    served = (f'sum by (model) (rate(megaserve_routed_requests_total{{tier="latency"}}'
+              f"[{SPILLOVER_WINDOW}]))")
+    return {
+        "alert": "MegaserveLatencySpillover",
+        "expr": f"{spilled}\n/\n({spilled} + {served})\n> {_number(SPILLOVER_RATIO)}\n",
+        "for": SPILLOVER_HOLD,
+        "labels": {"severity": "ticket"},
+        "annotations": {
+            "summary": "Latency-tier requests keep spilling over to the throughput tier",
+            "description": (
+                "{{ $labels.model }}: {{ $value | humanizePercentage }} of latency-tier requests "
+                f"ran on the throughput tier over {SPILLOVER_WINDOW}; add latency replicas."
+            ),
+        },
+    }
+
+
+def _replica_alerts() -> list[dict]:
+    return [
+        {
+            "alert": "MegaserveReplicaUnhealthy",
+            "expr": "ray_serve_deployment_replica_healthy == 0\n",
+            "for": REPLICA_HOLD,
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "A Ray Serve replica fails its health checks",
+                "description": "{{ $labels.application }}/{{ $labels.deployment }} "
+                "{{ $labels.replica }} has been unhealthy for " + REPLICA_HOLD + ".",
+                },
+        },
+        {
+            "alert": "MegaserveDeploymentUnhealthy",
+            "expr": f"ray_serve_deployment_status >= {DEPLOYMENT_FAILED} "
+                    f"<= {DEPLOYMENT_UNHEALTHY}\n",
+            "for": REPLICA_HOLD,
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "A Ray Serve deployment is unhealthy or failed to deploy",
+                "description": "{{ $labels.application }}/{{ $labels.deployment }} reports "
+                "status {{ $value }} (1 deploy failed, 2 unhealthy).",
+                },
+        },
+        {
+            "alert": "MegaserveMetricsTargetDown",
+            "expr": f'up{{job="{METRICS_JOB}"}} == 0\n',
+            "for": REPLICA_HOLD,
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "A node's megaserve metrics endpoint does not answer",
+                "description": "{{ $labels.instance }} has not been scraped for " + REPLICA_HOLD
+                + ": no megaserve process on that node is alive, or the port is blocked.",
+                },
+        },
+    ]
+
+
+def rule_groups() -> list[dict]:
+    return [
+        {"name": "megaserve-slo",
+         "rules": [_burn_alert(slo, window) for slo in LATENCY_SLOS for window in BURN_WINDOWS]},
+        {"name": "megaserve-capacity", "rules": [_spillover_alert()]},
+        {"name": "megaserve-health", "rules": _replica_alerts()},
+    ]
+
+
+def prometheus_rule() -> dict:
+    """The same groups as a prometheus-operator PrometheusRule."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": PROMETHEUS_RULE_NAME, "labels": {"app.kubernetes.io/name": "megaserve"}},
+        "spec": {"groups": rule_groups()},
+    }
+
+
+def expected_files(k8s_dir: Path | None) -> dict[Path, str]:
+    files = {RULES_FILE: generated.to_yaml({"groups": rule_groups()}, f"{PROG} --write")}
+    if k8s_dir is not None:
+        files[k8s_dir / PROMETHEUS_RULE_FILE] = generated.to_yaml(
+            prometheus_rule(), f"{PROG} --write --k8s-dir k8s")
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    return generated.main(PROG, __doc__.splitlines()[0], expected_files, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
