@@ -1,0 +1,264 @@
+"""TorchEngine: the reference decoder behind the Engine protocol, batch-1 or continuously batched.
+
+One background thread owns the model, its KV cache and the sampler, and runs the step loop:
+
+    wait for work -> drop cancelled requests -> admit waiting requests into free KV slots,
+    prefilling each (its first token streams out at once) -> one batched decode step for all
+    running rows -> sample on the device -> deliver the new tokens to every stream
+
+so that the event loop of the Serve replica never waits on the model. With `max_batch=1` this
+is the latency tier's batch-1 engine on machines without the megakernel; with `max_batch>1` it
+is the throughput tier's continuously batched engine (requests join and leave between steps).
+
+Device synchronization: a step launches its work and waits for the device once, when it copies
+the sampled token ids [B] to the host to stream them (and decide stops). Inputs of the next step
+are gathered on the device from the previous step's samples; the small per-step index tensors go
+up from pinned memory without blocking; the sampling parameters live on the device from admission.
+(The reference model itself reads positions.max() once per forward to size its cache view.)
+
+Requests are validated as vLLM does: token ids must be in the vocabulary and prompt + max_tokens
+must fit the context, else EngineError; the context limit therefore never cuts a generation
+short, and LENGTH always means max_tokens was reached. The stop token (eos or a stop id) is
+included in the streamed tokens, as generated; the router leaves it out of the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models import KVCache, load_model
+from ..protocol import (
+    CoalescePolicy,
+    Engine,
+    EngineError,
+    EngineHealth,
+    FinishReason,
+    GenerateRequest,
+    StepOutput,
+    Tier,
+)
+from ..sampling import SamplingTable, sample
+from .engine_metrics import EngineMetrics
+from .stream import RequestQueue, StreamOutbox, TokenStream
+
+logger = logging.getLogger(__name__)
+
+AUTO_DTYPE = "auto"  # the checkpoint's dtype on a GPU, float32 on the CPU (bf16 matmuls crawl there)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A request's life inside the engine."""
+
+    request: GenerateRequest
+    stream: TokenStream
+    stop_ids: frozenset[int]
+    slot: int = -1
+    generated: int = 0
+
+    @property
+    def next_position(self) -> int:
+        """Where the newest token goes when it is fed back: prompt positions are 0..P-1."""
+        return len(self.request.prompt_token_ids) + self.generated - 1
+
+
+class TorchEngine(Engine):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = AUTO_DTYPE,
+        max_batch: int = 1,
+        max_seq: int | None = None,
+        coalesce: CoalescePolicy = CoalescePolicy(),
+        tier: Tier | str = Tier.LATENCY,
+        model_name: str | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.device = torch.device(device)
+        if dtype in (None, AUTO_DTYPE):
+            dtype = torch.float32 if self.device.type == "cpu" else None
+        self.model = load_model(model_dir, self.device, dtype)
+        config = self.model.config
+        self.vocab_size = config.vocab_size
+        self.eos_ids = frozenset(config.eos_token_ids)
+        # A longer cache than the model's positions would be wasted: clamp to them.
+        self.max_context = min(max_seq or config.max_position_embeddings, config.max_position_embeddings)
+        self.max_batch = max_batch
+        self.model_name = model_name or Path(model_dir).name
+        self.tier = Tier(tier).value
+        self.coalesce = coalesce
+        self.cache: KVCache = self.model.new_cache(max_batch, self.max_context)
+        self.sampling = SamplingTable(max_batch, self.vocab_size, self.device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
+        self.next_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # per slot
+        self.metrics = EngineMetrics(self.tier, self.model_name)
+
+        self._queue: RequestQueue[_Sequence] = RequestQueue()
+        self._running: dict[int, _Sequence] = {}  # slot -> sequence; engine thread only
+        self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() takes slot 0 first
+        self._failure: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"torch-engine-{self.model_name}", daemon=True)
+        self._thread.start()
+
+    # --- the asyncio side ----------------------------------------------------------------------
+
+    def validate(self, request: GenerateRequest) -> None:
+        super().validate(request)
+        for token in request.prompt_token_ids:
+            if not 0 <= token < self.vocab_size:
+                raise EngineError(f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        prompt, wanted = len(request.prompt_token_ids), request.sampling.max_tokens
+        if prompt + wanted > self.max_context:
+            raise EngineError(
+                f"this model's maximum context length is {self.max_context} tokens, but "
+                f"{prompt + wanted} were requested ({prompt} in the prompt, {wanted} to generate); "
+                "shorten the prompt or lower max_tokens"
+            )
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        """Validate now (EngineError at the call), queue when iteration starts."""
+        if self._queue.closed:
+            raise EngineError("the engine is shut down")
+        self.validate(request)
+        return self._generate(request)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        stream = TokenStream(len(request.prompt_token_ids), self.coalesce, asyncio.get_running_loop())
+        sampling = request.sampling
+        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_ids)
+        self._queue.put(_Sequence(request, stream, stop_ids), request.priority)
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def health(self) -> EngineHealth:
+        alive = self._thread.is_alive()
+        detail = self._failure or ("" if alive else "the engine is shut down")
+        return EngineHealth(
+            healthy=alive and self._failure is None, detail=detail,
+            running_requests=len(self._running), waiting_requests=len(self._queue),
+        )
+
+    async def shutdown(self) -> None:
+        self._queue.close()
+        await asyncio.to_thread(self._thread.join)
+        self.model = self.cache = self.next_tokens = None  # the thread is gone: free the device
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # --- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._has_work():
+                    outbox = StreamOutbox()
+                    self._drop_cancelled()
+                    self._admit(outbox)
+                    if self._running:
+                        self._decode(outbox)
+                    outbox.flush()
+        except Exception as exc:  # a failed step ends the engine; Serve replaces an unhealthy replica
+            logger.exception("engine step failed")
+            self._failure = f"engine step failed: {type(exc).__name__}: {exc}"
+        finally:
+            self._abort_all()
+
+    def _has_work(self) -> bool:
+        """Block while idle; False once shut down."""
+        if self._running:
+            return not self._queue.closed
+        return self._queue.wait()
+
+    def _drop_cancelled(self) -> None:
+        for seq in [seq for seq in self._running.values() if seq.stream.cancelled]:
+            self._release(seq)
+
+    def _admit(self, outbox: StreamOutbox) -> None:
+        while self._free_slots:
+            seq = self._queue.pop()
+            if seq is None:
+                return
+            if seq.stream.cancelled:
+                continue
+            seq.slot = self._free_slots.pop()
+            self._running[seq.slot] = seq
+            self.sampling.assign(seq.slot, seq.request.sampling)
+            self.metrics.request_started()
+            self._prefill(seq, outbox)
+            outbox.flush()  # time to first token: do not wait for the decode step
+
+    def _prefill(self, seq: _Sequence, outbox: StreamOutbox) -> None:
+        start = time.perf_counter()
+        prompt = seq.request.prompt_token_ids
+        slot_index = self._to_device([seq.slot])
+        input_ids = self._to_device(prompt)[None]  # [1, P]
+        positions = torch.arange(len(prompt), device=self.device)[None]  # [1, P]
+        logits = self.model.forward(input_ids, positions, self.cache, slot_index, last_only=True)  # [1, V]
+        rows = self.sampling.gather([seq.slot], slot_index)
+        tokens = sample(logits, rows, self._to_device([len(prompt)]), self.generator)  # [1]
+        self.next_tokens.index_copy_(0, slot_index, tokens)
+        token = tokens.item()  # the step's one sync
+        seconds = time.perf_counter() - start
+        self.metrics.prefill_step(seconds)
+        self._deliver(seq, token, seconds, outbox)
+
+    def _decode(self, outbox: StreamOutbox) -> None:
+        start = time.perf_counter()
+        batch = list(self._running.values())
+        slot_index = self._to_device([seq.slot for seq in batch])  # [B]
+        positions = self._to_device([seq.next_position for seq in batch])  # [B]
+        input_ids = self.next_tokens[slot_index]  # [B], sampled last step, never left the device
+        logits = self.model.forward(input_ids[:, None], positions[:, None], self.cache, slot_index, last_only=True)
+        rows = self.sampling.gather([seq.slot for seq in batch], slot_index)
+        tokens = sample(logits, rows, positions + 1, self.generator)  # [B]
+        self.next_tokens.index_copy_(0, slot_index, tokens)
+        token_ids = tokens.tolist()  # the step's one sync
+        seconds = time.perf_counter() - start
+        self.metrics.decode_step(seconds)
+        for seq, token in zip(batch, token_ids):
+            self._deliver(seq, token, seconds, outbox)
+
+    def _deliver(self, seq: _Sequence, token: int, seconds: float, outbox: StreamOutbox) -> None:
+        seq.generated += 1
+        outbox.token(seq.stream, token, seconds)
+        if token in seq.stop_ids:
+            outbox.finish(seq.stream, FinishReason.STOP)
+            self._release(seq)
+        elif seq.generated >= seq.request.sampling.max_tokens:
+            outbox.finish(seq.stream, FinishReason.LENGTH)
+            self._release(seq)
+
+    def _release(self, seq: _Sequence) -> None:
+        del self._running[seq.slot]
+        self._free_slots.append(seq.slot)
+        self.metrics.request_ended()
+
+    def _abort_all(self) -> None:
+        """End every stream, running or waiting, with ABORT (shutdown or a failed step)."""
+        self._queue.close()
+        outbox = StreamOutbox()
+        for seq in list(self._running.values()):
+            outbox.finish(seq.stream, FinishReason.ABORT, self._failure)
+            self._release(seq)
+        for seq in self._queue.drain():
+            outbox.finish(seq.stream, FinishReason.ABORT, self._failure)
+        outbox.flush()
+
+    def _to_device(self, values: Sequence[int]) -> torch.Tensor:
+        """int64 [len(values)] on the device; from pinned memory without blocking on a GPU."""
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)

@@ -1,0 +1,137 @@
+"""The engine-to-asyncio bridge: the yield rule's timer and counts, cross-thread delivery,
+cancellation, and the priority queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from megaserve.replicas.engines.stream import Chunk, RequestQueue, StreamOutbox, TokenStream
+from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason
+
+STEP = 0.001
+
+
+def _stream(seconds: float, tokens: int, on_cancel=None) -> TokenStream:
+    return TokenStream(7, CoalescePolicy(seconds=seconds, tokens=tokens), asyncio.get_running_loop(), on_cancel)
+
+
+async def test_pending_tokens_leave_on_the_timer_without_a_new_chunk():
+    stream = _stream(seconds=0.05, tokens=100)
+    outputs = stream.outputs()
+    stream.put(Chunk([1], [STEP]))
+    assert (await anext(outputs)).token_ids == [1]
+    stream.put(Chunk([2, 3], [STEP, STEP]))
+    start = time.monotonic()
+    item = await anext(outputs)  # nothing else arrives: the deadline releases 2 and 3
+    waited = time.monotonic() - start
+    assert item.token_ids == [2, 3] and item.finish_reason is None
+    assert 0.03 < waited < 0.5
+    stream.put(Chunk([], [], FinishReason.STOP))
+    last = await anext(outputs)
+    assert last.token_ids == [] and last.finish_reason == FinishReason.STOP
+    with pytest.raises(StopAsyncIteration):
+        await anext(outputs)
+
+
+async def test_a_multi_token_first_chunk_still_yields_the_first_token_alone():
+    stream = _stream(seconds=10.0, tokens=2)
+    for token in range(6):
+        stream.put(Chunk([token], [STEP]))
+    stream.put(Chunk([6], [STEP], FinishReason.LENGTH))
+    items = [item async for item in stream.outputs()]
+    assert [item.token_ids for item in items] == [[0], [1, 2], [3, 4], [5, 6]]
+    assert items[-1].finish_reason == FinishReason.LENGTH
+    assert all(item.prompt_tokens == 7 for item in items)
+
+
+async def test_an_error_travels_on_the_final_item():
+    stream = _stream(seconds=1.0, tokens=4)
+    stream.put(Chunk([5], [STEP]))
+    stream.put(Chunk([6], [STEP], FinishReason.ABORT, "device lost"))
+    items = [item async for item in stream.outputs()]
+    assert items[-1].token_ids == [6] and items[-1].error == "device lost"
+
+
+async def test_closing_the_consumer_cancels_the_stream_once():
+    calls = []
+    stream = _stream(seconds=1.0, tokens=4, on_cancel=lambda: calls.append(1))
+    outputs = stream.outputs()
+    stream.put(Chunk([1], [STEP]))
+    await anext(outputs)
+    assert not stream.cancelled
+    await outputs.aclose()
+    assert stream.cancelled and calls == [1]
+
+
+async def test_a_finished_stream_is_not_cancelled():
+    stream = _stream(seconds=1.0, tokens=4, on_cancel=lambda: pytest.fail("cancelled"))
+    stream.put(Chunk([1], [STEP], FinishReason.STOP))
+    assert [item.finish_reason async for item in stream.outputs()] == [FinishReason.STOP]
+    assert not stream.cancelled
+
+
+async def test_outbox_delivers_a_threads_steps_to_every_stream():
+    streams = [_stream(seconds=0.0, tokens=1) for _ in range(3)]
+
+    def engine_thread():
+        for step in range(2):
+            outbox = StreamOutbox()
+            for index, stream in enumerate(streams):
+                outbox.token(stream, 10 * index + step, STEP)
+                if step == 1:
+                    outbox.finish(stream, FinishReason.LENGTH)
+            outbox.flush()
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    results = await asyncio.gather(*(_collect(stream) for stream in streams))
+    thread.join()
+    for index, items in enumerate(results):
+        assert [item.token_ids for item in items] == [[10 * index], [10 * index + 1]]
+        assert items[-1].finish_reason == FinishReason.LENGTH
+
+
+async def _collect(stream: TokenStream) -> list:
+    return [item async for item in stream.outputs()]
+
+
+def test_outbox_marks_streams_of_a_closed_loop_cancelled():
+    loop = asyncio.new_event_loop()
+    stream = loop.run_until_complete(_make_stream_on_running_loop())
+    loop.close()
+    outbox = StreamOutbox()
+    outbox.token(stream, 1, STEP)
+    outbox.flush()
+    assert stream.cancelled
+
+
+async def _make_stream_on_running_loop() -> TokenStream:
+    return _stream(seconds=0.0, tokens=1)
+
+
+def test_request_queue_orders_by_priority_then_arrival_and_closes():
+    queue: RequestQueue[str] = RequestQueue()
+    for item, priority in (("a", 0), ("b", 3), ("c", 0), ("d", 3), ("e", -1)):
+        queue.put(item, priority)
+    assert len(queue) == 5
+    assert [queue.pop() for _ in range(3)] == ["b", "d", "a"]
+    queue.close()
+    assert not queue.wait()
+    assert queue.drain() == ["c", "e"] and queue.pop() is None
+    with pytest.raises(EngineError, match="shut down"):
+        queue.put("f")
+
+
+def test_request_queue_wait_wakes_on_put_from_another_thread():
+    queue: RequestQueue[str] = RequestQueue()
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append(queue.wait()))
+    waiter.start()
+    time.sleep(0.02)
+    queue.put("x")
+    waiter.join(timeout=5)
+    assert woke == [True] and queue.pop() == "x"
