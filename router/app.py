@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP ingress: `create_app(settings, backends)` -> a FastAPI app.
+
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /health.
+Per request: authenticate, read and validate the body, apply the chat template and tokenize once,
+choose and admit a tier (`policy`), stream the replica's tokens back as text (`generation`),
+as server-sent events in OpenAI's chunk format or as one JSON body. The tier used is echoed in
+the body's `service_tier` (OpenAI's names: "priority" for latency, "default" or "flex" for
+throughput) and in the `x-megaserve-tier` header ("latency" / "throughput"), with the routing
+reason in `x-megaserve-route-reason`. Every refusal is an OpenAI-style error JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Mapping
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from megaserve.monitoring.metrics import REJECTED_REQUESTS
+from megaserve.replicas.protocol import EngineError, GenerateRequest, SamplingParams, Tier
+from megaserve.router.backend import Backend
+from megaserve.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, invalid
+from megaserve.router.generation import Delta, Generation, GenerationFailed
+from megaserve.router.openai_schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    Timing,
+    Usage,
+    _GenerationRequest,
+)
+from megaserve.router.policy import TIER_HEADER, Admission, Lease, choose_tier
+from megaserve.router.settings import RouterSettings
+from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, closing, unless_disconnected
+from megaserve.router.tokenizer import ChatTemplateError, Tokenizer
+
+ROUTE_REASON_HEADER = "x-megaserve-route-reason"
+JSON_MEDIA_TYPES = ("application/json",)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"; nobody reads it
+SPILLOVER_PRIORITY = 1  # queue position in the throughput engine of work that asked for latency
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: RouterSettings, backends: Mapping[Tier, Backend], tokenizer: Tokenizer | None = None
+) -> FastAPI:
+    """The router app over `backends` (one per enabled tier); the tokenizer is read from
+    `settings.model_dir` unless given."""
+    router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir))
+    app = FastAPI(title="megaserve", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.router = router
+    app.add_exception_handler(APIError, router.error_response)
+    app.add_exception_handler(StarletteHTTPException, _http_error_response)
+    app.add_exception_handler(Exception, _unexpected_error_response)
+    app.add_api_route("/v1/chat/completions", router.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", router.completions, methods=["POST"])
+    app.add_api_route("/v1/models", router.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", router.model, methods=["GET"])
+    app.add_api_route("/health", router.health, methods=["GET"])
+    return app
+
+
+class _Router:
+    def __init__(self, settings: RouterSettings, backends: Mapping[Tier, Backend], tokenizer: Tokenizer) -> None:
+        self.settings = settings
+        self.backends = backends
+        self.tokenizer = tokenizer
+        self.admission = Admission(settings, backends)
+
+    # --- endpoints -------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await self._read(request, ChatCompletionRequest)
+        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ChatTemplateError as error:
+            raise invalid(str(error), "messages") from None
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._generate(request, body, prompt_ids, arrival, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await self._read(request, CompletionRequest)
+        if isinstance(body.prompt, str):
+            prompt_ids = self.tokenizer.encode(body.prompt, add_special_tokens=True)
+        else:
+            prompt_ids = list(body.prompt)
+            self._check_token_ids(prompt_ids, "prompt")
+        return await self._generate(request, body, prompt_ids, arrival, chat=False)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return _json(ModelList(data=[self._model_card()]))
+
+    async def model(self, request: Request, model: str) -> Response:
+        self._authorize(request)
+        self._check_model(model)
+        return _json(self._model_card())
+
+    async def health(self) -> Response:
+        tiers = {}
+        for tier in Tier:
+            slots = self.admission.slots[tier]
+            tiers[tier.value] = {
+                "healthy": await self.admission.healthy(tier),
+                "in_flight": slots.in_flight,
+                "capacity": slots.capacity,
+            }
+        serving = any(t["healthy"] for t in tiers.values())
+        status = HTTPStatus.OK if serving else HTTPStatus.SERVICE_UNAVAILABLE
+        return JSONResponse({"status": "ok" if serving else "unavailable", "tiers": tiers}, status)
+
+    async def error_response(self, request: Request, error: APIError) -> Response:
+        REJECTED_REQUESTS.labels(model=self.settings.model_name, reason=error.reason).inc()
+        return JSONResponse(error.body(), error.status, headers=error.headers)
+
+    # --- reading a request ----------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if not self.settings.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(
+            hmac.compare_digest(key.strip().encode(), k.encode()) for k in self.settings.api_keys
+        ):
+            raise APIError(HTTPStatus.UNAUTHORIZED, "a valid API key is required: Authorization: Bearer <key>",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                           reason="unauthorized")
+
+    async def _read(self, request: Request, schema: type[_GenerationRequest]) -> _GenerationRequest:
+        self._authorize(request)
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
+            raise APIError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                           f"the body must be JSON (Content-Type: application/json), got {media_type!r}")
+        raw = await self._read_limited(request)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise invalid(f"the body is not valid UTF-8 (byte {error.start})") from None
+        try:
+            body = schema.model_validate_json(text)
+        except ValidationError as error:
+            raise _validation_error(error) from None
+        self._check_model(body.model)
+        return body
+
+    async def _read_limited(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is larger than {limit} bytes",
+                             code="body_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise APIError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist; this server serves "
+                           f"`{self.settings.model_name}`.", param="model", code="model_not_found")
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        if ids and max(ids) >= vocab:
+            raise invalid(f"token id {max(ids)} is outside the vocabulary (size {vocab})", param)
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.settings.model_name, created=self.settings.created,
+                         max_model_len=self.settings.max_context)
+
+    def _sampling(self, body: _GenerationRequest, prompt_tokens: int) -> SamplingParams:
+        context = self.settings.max_context
+        if prompt_tokens >= context:
+            raise invalid(f"the prompt has {prompt_tokens} tokens but the model's context is {context}; "
+                          "shorten it", "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                          "context_length_exceeded")
+        room = context - prompt_tokens
+        max_tokens = body.requested_max_tokens or room
+        if max_tokens > room:
+            raise invalid(f"max_tokens is {max_tokens} but the prompt ({prompt_tokens} tokens) leaves room for "
+                          f"{room} in the model's context of {context}", "max_tokens", "context_length_exceeded")
+        stop_ids = tuple(body.stop_token_ids or ())  # the engines add the model's eos ids themselves
+        self._check_token_ids(list(stop_ids), "stop_token_ids")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),
+            seed=body.seed,
+            stop_token_ids=stop_ids,
+            ignore_eos=body.ignore_eos,
+        )
+
+    # --- serving a request ----------------------------------------------------------------
+
+    async def _generate(
+        self, request: Request, body: _GenerationRequest, prompt_ids: list[int], arrival: float, *, chat: bool
+    ) -> Response:
+        n = body.n or 1
+        if n > self.settings.max_n:
+            raise invalid(f"n is {n}; this server returns at most {self.settings.max_n} choices", "n")
+        sampling = self._sampling(body, len(prompt_ids))
+        route = choose_tier(self.settings, body.service_tier, request.headers.get(TIER_HEADER), len(prompt_ids), n)
+        try:
+            lease = await unless_disconnected(request.receive, self.admission.admit(route, n))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        priority = SPILLOVER_PRIORITY if lease.route.reason == "spillover" else 0
+        generation = Generation(
+            backend=self.backends[lease.tier],
+            requests=[
+                GenerateRequest(f"{request_id}-{i}", tuple(prompt_ids), _choice_sampling(sampling, i), priority)
+                for i in range(n)
+            ],
+            tier=lease.tier,
+            model=self.settings.model_name,
+            tokenizer=self.tokenizer,
+            stops=body.stop_sequences,
+            arrival=arrival,
+        )
+        answer = _Answer(request_id, self.settings.model_name, _served_tier(body, lease), chat, generation)
+        headers = {TIER_HEADER: lease.tier.value, ROUTE_REASON_HEADER: lease.route.reason}
+        events = generation.events()
+        try:
+            if body.stream:
+                first = await unless_disconnected(request.receive, anext(events))
+                stream = answer.sse(first, events, n, body.include_usage)
+                response = EventStreamResponse(stream, headers, on_close=lease.release)
+                lease = None  # the response releases it when the stream ends
+                return response
+            deltas = await unless_disconnected(request.receive, _collect(events))
+            return _json(answer.complete(deltas, n), headers)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except EngineError as error:
+            raise invalid(str(error)) from None
+        except GenerationFailed as error:
+            raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", type=SERVER_ERROR,
+                           reason="failed") from None
+        finally:
+            if lease is not None:
+                await events.aclose()
+                lease.release()
+
+
+class _Answer:
+    """Turns a generation's deltas into OpenAI responses and chunks."""
+
+    def __init__(self, request_id: str, model: str, service_tier: str, chat: bool, generation: Generation) -> None:
+        self.common = {"id": request_id, "model": model, "service_tier": service_tier}
+        self.created = int(time.time())
+        self.chat = chat
+        self.generation = generation
+
+    def usage(self) -> Usage:
+        g = self.generation
+        return Usage(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
+                     total_tokens=g.prompt_tokens + g.completion_tokens)
+
+    def timing(self) -> Timing:
+        g = self.generation
+        end = g.finished_at or time.perf_counter()
+        return Timing(
+            time_to_first_token_seconds=None if g.first_token_at is None else g.first_token_at - g.arrival,
+            mean_step_seconds=g.decode_seconds / g.decode_tokens if g.decode_tokens else None,
+            total_seconds=end - g.arrival,
+        )
+
+    def complete(self, deltas: list[Delta], n: int) -> ChatCompletion | Completion:
+        texts = ["" for _ in range(n)]
+        finish: list[str] = ["abort"] * n
+        for delta in deltas:
+            texts[delta.index] += delta.text
+            if delta.finish_reason is not None:
+                finish[delta.index] = delta.finish_reason
+        if self.chat:
+            choices = [ChatChoice(index=i, message=ChatMessageOut(content=texts[i]), finish_reason=finish[i])
+                       for i in range(n)]
+            return ChatCompletion(**self.common, created=self.created, choices=choices, usage=self.usage(),
+                                  timing=self.timing())
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finish[i]) for i in range(n)]
+        return Completion(**self.common, created=self.created, choices=choices, usage=self.usage(),
+                          timing=self.timing())
+
+    async def sse(
+        self, first: Delta, rest: AsyncGenerator[Delta, None], n: int, include_usage: bool
+    ) -> AsyncGenerator[bytes, None]:
+        """Role chunks (chat), then one chunk per delta, the usage chunk if asked, `[DONE]`."""
+        async with closing(rest):
+            try:
+                if self.chat:
+                    yield self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
+                                       for i in range(n)])
+                yield self._delta_chunk(first)
+                async for delta in rest:
+                    yield self._delta_chunk(delta)
+            except (APIError, EngineError, GenerationFailed) as error:
+                message = error.message if isinstance(error, APIError) else f"generation failed: {error}"
+                yield _sse({"error": {"message": message, "type": SERVER_ERROR, "param": None, "code": None}})
+                return
+        if include_usage:
+            yield self._chunk([], usage=self.usage(), timing=self.timing())
+        yield SSE_DONE
+
+    def _delta_chunk(self, delta: Delta) -> bytes:
+        if self.chat:
+            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            return self._chunk([ChatChunkChoice(index=delta.index, delta=content,
+                                                finish_reason=delta.finish_reason)])
+        return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason)])
+
+    def _chunk(self, choices: list, **extra) -> bytes:
+        kind = ChatCompletionChunk if self.chat else Completion
+        return b"data: " + kind(**self.common, created=self.created, choices=choices, **extra).model_dump_json(
+        ).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def _collect(events: AsyncGenerator[Delta, None]) -> list[Delta]:
+    return [delta async for delta in events]
+
+
+def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choices of one request differ by seed (seed + index), so a seeded request is reproducible."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
+
+
+def _served_tier(body: _GenerationRequest, lease: Lease) -> str:
+    """OpenAI's name of the tier used: a "flex" request served by throughput stays "flex"."""
+    if lease.tier is Tier.THROUGHPUT and body.service_tier == "flex":
+        return "flex"
+    return SERVED_SERVICE_TIER[lease.tier]
+
+
+def _json(model: BaseModel, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def _validation_error(error: ValidationError) -> APIError:
+    first = error.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return invalid(f"the body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
+    if not first["loc"]:
+        return invalid(f"the body must be a JSON object: {first['msg']}")
+    param = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return invalid(f"{param}: {message}", param)
+
+
+async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:
+    """Unknown paths (404) and wrong methods (405), in OpenAI's error shape."""
+    body = {"error": {"message": f"{request.method} {request.url.path}: {error.detail}",
+                      "type": INVALID_REQUEST, "param": None, "code": None}}
+    return JSONResponse(body, error.status_code, headers=error.headers)
+
+
+async def _unexpected_error_response(request: Request, error: Exception) -> Response:
+    log.exception("unexpected error serving %s", request.url.path, exc_info=error)
+    body = {"error": {"message": "internal error", "type": SERVER_ERROR, "param": None, "code": None}}
+    return JSONResponse(body, HTTPStatus.INTERNAL_SERVER_ERROR)

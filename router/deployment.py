@@ -1,0 +1,107 @@
+"""The router as a Ray Serve ingress deployment: the FastAPI app of `app.py` over two handles.
+
+Each tier is a `DeploymentHandle` to replicas whose `generate(request)` is an async generator of
+`StepOutput`s. `ServeBackend` calls it with `stream=True` and cancels the call when the router
+closes the stream (stop string, client gone), so Ray cancels the replica-side generator and a
+batch-1 replica stops decoding at its next step. Serve's own refusals become OpenAI errors:
+BackPressureError (the replicas' queues are full) -> 429, no replica to take the call -> 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+
+from fastapi import FastAPI
+from ray import serve
+from ray.exceptions import RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from megaserve.monitoring.exporter import start_node_exporter
+from megaserve.replicas.protocol import EngineError, GenerateRequest, StepOutput, Tier
+from megaserve.router.app import create_app
+from megaserve.router.backend import Backend
+from megaserve.router.errors import busy
+from megaserve.router.settings import RouterSettings
+
+HEALTH_CACHE_SECONDS = 2.0  # serve.status() asks the controller: once per interval, not per request
+RUNNING = "RUNNING"  # the ReplicaState of a replica that takes requests
+# Requests one router replica holds at once: each is a cheap coroutine waiting on a stream; the
+# tiers are protected by the router's own slot counts, not by this.
+ROUTER_MAX_ONGOING_REQUESTS = 1000
+
+log = logging.getLogger(__name__)
+
+
+class ServeBackend:
+    """A tier's replicas, reached through a streaming DeploymentHandle."""
+
+    def __init__(self, handle: DeploymentHandle, retry_after_seconds: int) -> None:
+        self.handle = handle
+        self.retry_after_seconds = retry_after_seconds
+        self._stream = handle.options(stream=True)
+        self._healthy = 1  # until the first status answer: let Serve's own errors speak
+        self._checked_at = float("-inf")
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        response = self._stream.generate.remote(request)
+        finished = False
+        try:
+            async for output in response:
+                finished = output.finish_reason is not None
+                yield output
+        except BackPressureError as error:
+            raise busy(f"the replicas' queues are full: {error}", self.retry_after_seconds,
+                       unavailable=False) from None
+        except DeploymentUnavailableError as error:
+            raise busy(str(error), self.retry_after_seconds, unavailable=True) from None
+        except RayTaskError as error:
+            if isinstance(error.cause, EngineError):
+                raise EngineError(str(error.cause)) from None
+            raise
+        finally:
+            if not finished:
+                response.cancel()
+
+    async def healthy_replicas(self) -> int:
+        if time.monotonic() - self._checked_at > HEALTH_CACHE_SECONDS:
+            self._checked_at = time.monotonic()
+            try:
+                self._healthy = await asyncio.to_thread(self._running_replicas)
+            except Exception:  # noqa: BLE001 - the controller may be restarting; keep the last count
+                log.warning("could not read the replica states of %s", self.handle.deployment_name,
+                            exc_info=True)
+        return self._healthy
+
+    def _running_replicas(self) -> int:
+        application = serve.status().applications[self.handle.app_name]
+        states = application.deployments[self.handle.deployment_name].replica_states
+        return sum(count for state, count in states.items() if state == RUNNING)
+
+
+@serve.deployment(max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS)
+@serve.ingress()
+class RouterDeployment:
+    """HTTP ingress; `latency` / `throughput` are None when that tier is disabled."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        latency: DeploymentHandle | None,
+        throughput: DeploymentHandle | None,
+        metrics_host: str,
+        metrics_port: int,
+    ) -> None:
+        start_node_exporter(metrics_host, metrics_port)
+        self.settings = settings
+        self.backends: dict[Tier, Backend] = {
+            tier: ServeBackend(handle, settings.retry_after_seconds)
+            for tier, handle in ((Tier.LATENCY, latency), (Tier.THROUGHPUT, throughput))
+            if handle is not None
+        }
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self.settings, self.backends)

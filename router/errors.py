@@ -1,0 +1,59 @@
+"""OpenAI-style errors: every refusal is `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `APIError`; the app turns it into JSON with its status and headers (Retry-After).
+The `type` strings are the ones OpenAI's clients know how to map to exception classes.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+RATE_LIMIT = "rate_limit_error"  # what OpenAI answers with 429
+SERVER_ERROR = "server_error"
+UNAVAILABLE = "service_unavailable_error"
+
+
+class APIError(Exception):
+    """A request the router answers with an error status instead of a completion."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        reason: str = "invalid",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+        self.reason = reason  # label of megaserve_rejected_requests_total
+
+    def body(self) -> dict:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400: the request itself is wrong; sending it again will not help."""
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+def busy(message: str, retry_after_seconds: int, *, unavailable: bool) -> APIError:
+    """429 when every slot is taken, 503 when no replica is healthy; both say when to retry."""
+    headers = {"Retry-After": str(retry_after_seconds)}
+    if unavailable:
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type=UNAVAILABLE,
+                        code="no_healthy_replicas", headers=headers, reason="unavailable")
+    return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, type=RATE_LIMIT,
+                    code="saturated", headers=headers, reason="saturated")

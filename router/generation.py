@@ -1,0 +1,212 @@
+"""One admitted request on its tier: replica streams in, text deltas out, metrics recorded.
+
+Each of the request's `n` choices is one `GenerateRequest` to the tier's backend. Its token ids
+are detokenized incrementally; stop strings are matched on the text (the output ends before the
+stop string, finish_reason "stop") and the replica stream is then closed, so the replica stops
+decoding. Leaving `events()` early (client gone, error) closes every replica stream at once.
+
+Metrics: time to first token (arrival to the first token of any choice), inter-token latency
+(the engine step time of every token after a choice's first), request duration, prompt tokens
+(once per request), generated tokens, and one finished-request count per choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from megaserve.monitoring.metrics import (
+    FINISHED_REQUESTS,
+    GENERATION_TOKENS,
+    INTER_TOKEN_LATENCY,
+    PROMPT_TOKENS,
+    REQUEST_DURATION,
+    TIME_TO_FIRST_TOKEN,
+)
+from megaserve.replicas.protocol import FinishReason, GenerateRequest, StepOutput, Tier
+from megaserve.router.backend import Backend
+from megaserve.router.streaming import closing
+from megaserve.router.tokenizer import IncrementalDetokenizer, Tokenizer
+
+CANCELLED = "cancelled"  # finish_reason label of a request whose client went away
+
+
+class GenerationFailed(Exception):
+    """The replica ended a stream with an error, or without a finish reason."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of one choice; `finish_reason` is set on the choice's last delta only."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+class StopMatcher:
+    """Finds the first stop string in a choice's text as it grows.
+
+    Text that could still turn out to be the start of a stop string is held back, so nothing past
+    a stop string is ever sent. A stop string can only begin in held-back text or in new text.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.pending = ""  # text received but not released
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add `text`; return what may be released, and whether a stop string was found."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        found = [p for p in (self.pending.find(stop) for stop in self.stops) if p >= 0]
+        if found:
+            released, self.pending = self.pending[: min(found)], ""
+            return released, True
+        hold = max(self._prefix_held(stop) for stop in self.stops)
+        cut = len(self.pending) - hold
+        released, self.pending = self.pending[:cut], self.pending[cut:]
+        return released, False
+
+    def flush(self) -> str:
+        released, self.pending = self.pending, ""
+        return released
+
+    def _prefix_held(self, stop: str) -> int:
+        """Length of the longest end of `pending` that is a proper beginning of `stop`."""
+        for length in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+            if self.pending.endswith(stop[:length]):
+                return length
+        return 0
+
+
+@dataclass
+class Generation:
+    """The replica streams of one request and what they have produced so far."""
+
+    backend: Backend
+    requests: list[GenerateRequest]  # one per choice
+    tier: Tier
+    model: str
+    tokenizer: Tokenizer
+    stops: tuple[str, ...]
+    arrival: float  # time.perf_counter() when the request reached the router
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    decode_seconds: float = 0.0  # sum of engine step times after each choice's first token
+    decode_tokens: int = 0
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.requests[0].prompt_token_ids)
+
+    async def events(self) -> AsyncGenerator[Delta, None]:
+        """Text deltas of every choice, interleaved as they arrive."""
+        PROMPT_TOKENS.labels(tier=self.tier.value, model=self.model).inc(self.prompt_tokens)
+        choices = [self._choice(index, request) for index, request in enumerate(self.requests)]
+        try:
+            async for delta in _merge(choices):
+                yield delta
+        finally:
+            self._record_end()
+
+    async def _choice(self, index: int, request: GenerateRequest) -> AsyncGenerator[Delta, None]:
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        matcher = StopMatcher(self.stops)
+        first = True
+        final: Delta | None = None
+        async with closing(self.backend.stream(request)) as stream:
+            async for output in stream:
+                self._count(output, first)
+                first = first and not output.token_ids
+                text = "".join(detokenizer.push(token) for token in output.token_ids)
+                if output.finish_reason is not None:
+                    text += detokenizer.finish()
+                released, stopped = matcher.push(text)
+                if stopped:
+                    final = self._finish(index, released, FinishReason.STOP.value)
+                    break
+                if output.finish_reason is FinishReason.ABORT and output.error:
+                    raise GenerationFailed(output.error)
+                if output.finish_reason is not None:
+                    final = self._finish(index, released + matcher.flush(), output.finish_reason.value)
+                    break
+                if released:
+                    yield Delta(index, released)
+        if final is None:
+            raise GenerationFailed("the replica stream ended without a finish reason")
+        yield final  # after the replica stream is closed: a stop string frees the replica first
+
+    def _count(self, output: StepOutput, first_of_choice: bool) -> None:
+        if not output.token_ids:
+            return
+        now = time.perf_counter()
+        steps = output.step_seconds
+        if self.first_token_at is None:
+            self.first_token_at = now
+            TIME_TO_FIRST_TOKEN.labels(tier=self.tier.value, model=self.model).observe(now - self.arrival)
+        if first_of_choice:
+            steps = steps[1:]  # the first token's step is the prefill: counted in TTFT
+        histogram = INTER_TOKEN_LATENCY.labels(tier=self.tier.value, model=self.model)
+        for seconds in steps:
+            histogram.observe(seconds)
+        self.decode_seconds += sum(steps)
+        self.decode_tokens += len(steps)
+        self.completion_tokens += len(output.token_ids)
+
+    def _finish(self, index: int, text: str, finish_reason: str) -> Delta:
+        self.finish_reasons[index] = finish_reason
+        return Delta(index, text, finish_reason)
+
+    def _record_end(self) -> None:
+        self.finished_at = time.perf_counter()
+        labels = {"tier": self.tier.value, "model": self.model}
+        REQUEST_DURATION.labels(**labels).observe(self.finished_at - self.arrival)
+        GENERATION_TOKENS.labels(**labels).inc(self.completion_tokens)
+        for index in range(len(self.requests)):
+            reason = self.finish_reasons.get(index, CANCELLED)
+            FINISHED_REQUESTS.labels(**labels, finish_reason=reason).inc()
+
+
+async def _merge(choices: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[Delta, None]:
+    """Interleave the choices' deltas; closing this closes every choice."""
+    if len(choices) == 1:
+        async with closing(choices[0]) as only:
+            async for delta in only:
+                yield delta
+        return
+    queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+
+    async def pump(choice: AsyncGenerator[Delta, None]) -> None:
+        try:
+            async with closing(choice):
+                async for delta in choice:
+                    queue.put_nowait(delta)
+            queue.put_nowait(None)
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait(error)
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+

@@ -1,0 +1,249 @@
+"""The OpenAI wire format of /v1/chat/completions, /v1/completions and /v1/models.
+
+Requests are validated strictly (a string where a number belongs is an error, not a guess);
+fields OpenAI defines that megaserve does not implement are refused by name when set to anything
+but their neutral value, rather than silently ignored; fields nobody defines are ignored, as
+OpenAI does. Extensions, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`. Responses also carry
+`timing` (seconds), which OpenAI's clients keep as an extra attribute.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+OpenAIFinishReason = Literal["stop", "length", "abort"]
+
+MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; vLLM any number; matching cost grows with each
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text":
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        if self.text is None:
+            raise ValueError("a text content part needs `text`")
+        return self
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+    def template_role(self) -> str:
+        """OpenAI's `developer` is the `system` role of every open chat template."""
+        return "system" if self.role == "developer" else self.role
+
+
+# Fields of OpenAI's API that megaserve does not implement, and the value that means "unused".
+_UNSUPPORTED_NEUTRAL: dict[str, Any] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+
+
+class _GenerationRequest(_Request):
+    """The sampling fields both endpoints share."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: disabled (vLLM's convention)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = Field(default=None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    service_tier: ServiceTier | None = None
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in _UNSUPPORTED_NEUTRAL.items():
+                if name in data and data[name] not in neutral:
+                    raise ValueError(f"`{name}` is not supported by this server")
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        sequences = [stop] if isinstance(stop, str) else stop or []
+        if len(sequences) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sequences)}")
+        if any(s == "" for s in sequences):
+            raise ValueError("stop sequences must not be empty")
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and min(ids) < 0:
+            raise ValueError("token ids must be >= 0")
+        return ids
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` replaces the deprecated `max_tokens` when both are given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        """OpenAI accepts a batch of prompts; megaserve serves one prompt per request."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request: send a batch as separate requests")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if isinstance(prompt, list) and min(prompt) < 0:
+            raise ValueError("token ids must be >= 0")
+        return prompt
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timing(BaseModel):
+    """Extension: where the time of this request went, measured at the router."""
+
+    time_to_first_token_seconds: float | None  # arrival to first generated token
+    mean_step_seconds: float | None  # engine step time per token after the first
+    total_seconds: float  # arrival to the last token
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    service_tier: str
+    system_fingerprint: str | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+    timing: Timing
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, then {}
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    timing: Timing | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: OpenAIFinishReason | None = None
+
+
+class Completion(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    timing: Timing | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "megaserve"
+    max_model_len: int  # vLLM's extension: the context length
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,179 @@
+"""Which tier serves a request, and whether it may start now.
+
+Choosing (first match wins):
+  1. the body's `service_tier`: "priority" -> latency; "default" or "flex" -> throughput
+     (reason "requested"). This is OpenAI's own field, so a client's explicit choice is honoured
+     over any header a gateway adds;
+  2. the header `x-megaserve-tier: latency|throughput` (reason "header"), e.g. set per customer
+     by a gateway; it decides whenever the body says "auto" or nothing;
+  3. the policy for "auto": n > 1 -> throughput (reason "n"); a prompt longer than
+     `latency_max_prompt_tokens` -> throughput (reason "prompt_length"); else latency ("policy").
+
+Admitting: the router counts the requests (one slot per choice) it has in flight on each tier
+against the tier's capacity. A latency request that finds no free slot waits up to
+`latency_wait_seconds` in FIFO order, then spills over to throughput (reason "spillover") if
+`spillover` is on, else is refused. Throughput never spills to latency: a batch-1 replica is too
+precious for work that asked for bulk service. Refusals: 429 when the slots are taken, 503 when
+the tier has no healthy replica, both with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megaserve.monitoring.metrics import QUEUE_DEPTH, ROUTED_REQUESTS
+from megaserve.replicas.protocol import Tier
+from megaserve.router.backend import Backend
+from megaserve.router.errors import APIError, busy, invalid
+from megaserve.router.settings import RouterSettings
+
+TIER_HEADER = "x-megaserve-tier"
+SERVICE_TIER_TO_TIER = {"priority": Tier.LATENCY, "default": Tier.THROUGHPUT, "flex": Tier.THROUGHPUT}
+
+
+@dataclass(frozen=True)
+class Route:
+    tier: Tier
+    reason: str  # requested | header | policy | prompt_length | n | spillover
+
+
+def choose_tier(
+    settings: RouterSettings, service_tier: str | None, header: str | None, prompt_tokens: int, n: int
+) -> Route:
+    """The tier a request asks for, before load is considered (see the module docstring)."""
+    if service_tier in SERVICE_TIER_TO_TIER:
+        return Route(SERVICE_TIER_TO_TIER[service_tier], "requested")
+    if header is not None:
+        try:
+            return Route(Tier(header.strip().lower()), "header")
+        except ValueError:
+            raise invalid(
+                f"header {TIER_HEADER} must be 'latency' or 'throughput', got {header!r}", param=TIER_HEADER
+            ) from None
+    if n > 1:
+        return Route(Tier.THROUGHPUT, "n")
+    if prompt_tokens > settings.latency_max_prompt_tokens:
+        return Route(Tier.THROUGHPUT, "prompt_length")
+    return Route(Tier.LATENCY, "policy")
+
+
+class TierSlots:
+    """A counting semaphore over one tier's capacity that takes several slots at once, FIFO."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_flight = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def _fits(self, slots: int) -> bool:
+        return self.in_flight + slots <= self.capacity
+
+    def take_now(self, slots: int) -> bool:
+        """Take `slots` if they are free and nobody waits for them."""
+        if self._waiters or not self._fits(slots):
+            return False
+        self.in_flight += slots
+        return True
+
+    async def wait_for(self, slots: int, wait_seconds: float) -> bool:
+        """Take `slots` within `wait_seconds`, behind earlier waiters; False if they never came."""
+        if wait_seconds <= 0 or slots > self.capacity:
+            return False
+        waiter = (slots, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        granted = False
+        try:
+            await asyncio.wait((waiter[1],), timeout=wait_seconds)
+            granted = waiter[1].done()
+            return granted
+        finally:
+            if not waiter[1].done():
+                waiter[1].cancel()
+                self._waiters.remove(waiter)
+                self._wake()  # those queued behind this one may fit now
+            elif not granted:  # granted in the same moment this task was cancelled
+                self.give_back(slots)
+
+    def give_back(self, slots: int) -> None:
+        self.in_flight -= slots
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            slots, future = self._waiters.popleft()
+            self.in_flight += slots
+            future.set_result(None)
+
+
+class Lease:
+    """Slots held on one tier for one request; `release` gives them back exactly once."""
+
+    def __init__(self, slots: TierSlots, count: int, route: Route) -> None:
+        self._slots, self._count, self.route = slots, count, route
+        self._held = True
+
+    @property
+    def tier(self) -> Tier:
+        return self.route.tier
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._slots.give_back(self._count)
+
+
+class Admission:
+    """Admits requests to tiers under the capacities of `settings`."""
+
+    def __init__(self, settings: RouterSettings, backends: Mapping[Tier, Backend]) -> None:
+        self.settings = settings
+        self.backends = backends
+        self.slots = {
+            Tier.LATENCY: TierSlots(settings.latency_capacity if Tier.LATENCY in backends else 0),
+            Tier.THROUGHPUT: TierSlots(settings.throughput_capacity if Tier.THROUGHPUT in backends else 0),
+        }
+        self._wait_seconds = {
+            Tier.LATENCY: settings.latency_wait_seconds,
+            Tier.THROUGHPUT: settings.throughput_wait_seconds,
+        }
+
+    async def healthy(self, tier: Tier) -> bool:
+        backend = self.backends.get(tier)
+        return backend is not None and self.slots[tier].capacity > 0 and await backend.healthy_replicas() > 0
+
+    async def admit(self, route: Route, slots: int) -> Lease:
+        """A lease on `route.tier`, on throughput after spillover, or an APIError (429/503)."""
+        if route.tier is Tier.LATENCY:
+            healthy = await self.healthy(Tier.LATENCY)
+            if healthy and await self._take(Tier.LATENCY, slots):
+                return self._routed(route, slots)
+            if not self.settings.spillover:
+                raise self._refusal(Tier.LATENCY, unavailable=not healthy)
+            route = Route(Tier.THROUGHPUT, "spillover")
+        if not await self.healthy(Tier.THROUGHPUT):
+            raise self._refusal(Tier.THROUGHPUT, unavailable=True)
+        if await self._take(Tier.THROUGHPUT, slots):
+            return self._routed(route, slots)
+        raise self._refusal(Tier.THROUGHPUT, unavailable=False)
+
+    async def _take(self, tier: Tier, slots: int) -> bool:
+        if self.slots[tier].take_now(slots):
+            return True
+        depth = QUEUE_DEPTH.labels(tier=tier.value, model=self.settings.model_name)
+        depth.inc()
+        try:
+            return await self.slots[tier].wait_for(slots, self._wait_seconds[tier])
+        finally:
+            depth.dec()
+
+    def _routed(self, route: Route, slots: int) -> Lease:
+        ROUTED_REQUESTS.labels(tier=route.tier.value, model=self.settings.model_name, reason=route.reason).inc()
+        return Lease(self.slots[route.tier], slots, route)
+
+    def _refusal(self, tier: Tier, *, unavailable: bool) -> APIError:
+        state = "has no healthy replica" if unavailable else "is at capacity"
+        return busy(f"the {tier.value} tier {state}; retry later",
+                    self.settings.retry_after_seconds, unavailable=unavailable)

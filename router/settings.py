@@ -1,0 +1,50 @@
+"""What the router needs to know, as one frozen dataclass; the deploy config maps onto it.
+
+Plain stdlib so that the router's policy can be built and tested without Ray or a config file.
+Capacities count requests in flight *at this router replica*: with several router replicas,
+give each its share of the tier (the deploy config divides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt of plain text fits well below
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model_name: str  # the name clients pass as `model` and see in /v1/models
+    model_dir: str  # Hugging Face folder the tokenizer and chat template are read from
+    max_context: int  # prompt + generated tokens must fit in this (the replicas' context)
+    latency_capacity: int  # requests the latency tier runs at once: replicas x 1 (batch-1)
+    throughput_capacity: int  # requests the throughput tier runs at once: replicas x max ongoing
+    api_keys: tuple[str, ...] = ()  # accepted bearer tokens; empty disables auth
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    latency_max_prompt_tokens: int = 2048  # service_tier "auto": longer prompts go to throughput
+    latency_wait_seconds: float = 0.5  # how long a latency request waits for a free slot
+    throughput_wait_seconds: float = 0.0  # how long a throughput request waits for a free slot
+    spillover: bool = True  # a latency request that waited in vain runs on throughput instead of 429
+    retry_after_seconds: int = 1  # Retry-After header of 429 and 503 answers
+    max_n: int = 8  # largest `n` (choices per request) accepted; each choice takes one slot
+    created: int = 0  # Unix time shown as the model's `created` in /v1/models
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        if self.max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {self.max_context}")
+        for name in ("latency_capacity", "throughput_capacity", "latency_max_prompt_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.throughput_capacity == 0 and self.latency_capacity == 0:
+            raise ValueError("at least one tier needs capacity")
+        for name in ("latency_wait_seconds", "throughput_wait_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.retry_after_seconds < 0:
+            raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be at least 1, got {self.max_n}")

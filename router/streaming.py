@@ -1,0 +1,99 @@
+"""Noticing that a client went away, at once, and stopping the work done for it.
+
+Starlette's own StreamingResponse notices a disconnect only when its next write fails (ASGI 2.4
+servers), which for a request still in prefill, or queued, may be seconds later: a batch-1
+replica would keep decoding for nobody. Here the ASGI `receive` channel is watched the whole time
+(after the body has been read, the only message left on it is `http.disconnect`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import TypeVar
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """The result of `work`, or ClientDisconnected after cancelling `work` if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, return_exceptions=True)  # let it close its streams
+        raise ClientDisconnected
+    return task.result()
+
+
+class EventStreamResponse(Response):
+    """`text/event-stream` of `events`; they are closed the moment the client disconnects, and
+    `on_close` runs once, whichever way the stream ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        headers: Mapping[str, str],
+        on_close: Callable[[], None],
+    ) -> None:
+        self.events = events
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({**SSE_HEADERS, **headers})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._send_events, send, group.cancel_scope)
+                await _wait_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()
+            self.on_close()
+
+    async def _send_events(self, send: Send, scope: anyio.CancelScope) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the server found the connection closed while writing
+            pass
+        scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def closing(generator: AsyncGenerator) -> AsyncGenerator:
+    """Close `generator` on the way out, even inside a cancelled task: a replica stream that is
+    left open keeps a batch-1 replica decoding for nobody."""
+    try:
+        yield generator
+    finally:
+        with anyio.CancelScope(shield=True):
+            await generator.aclose()

@@ -1,0 +1,151 @@
+"""Tier choice precedence, FIFO slot counting, spillover and refusals, over real engines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from megaserve.monitoring.metrics import QUEUE_DEPTH, ROUTED_REQUESTS
+from megaserve.replicas.engines.torch_engine import TorchEngine
+from megaserve.replicas.protocol import Tier
+from megaserve.router.backend import EngineBackend
+from megaserve.router.errors import APIError
+from megaserve.router.policy import Admission, Route, TierSlots, choose_tier
+from megaserve.router.settings import RouterSettings
+
+MODEL = "policy-test"
+
+
+def settings(**overrides) -> RouterSettings:
+    values = dict(model_name=MODEL, model_dir="unused", max_context=2048, latency_capacity=1,
+                  throughput_capacity=2, latency_max_prompt_tokens=100, latency_wait_seconds=0.05,
+                  retry_after_seconds=3)
+    return RouterSettings(**(values | overrides))
+
+
+@pytest.mark.parametrize("service_tier, header, prompt, n, expected", [
+    ("priority", "throughput", 10, 1, Route(Tier.LATENCY, "requested")),
+    ("default", "latency", 10, 1, Route(Tier.THROUGHPUT, "requested")),
+    ("flex", None, 10, 1, Route(Tier.THROUGHPUT, "requested")),
+    ("auto", "throughput", 10, 1, Route(Tier.THROUGHPUT, "header")),
+    (None, " Latency ", 500, 4, Route(Tier.LATENCY, "header")),
+    ("auto", None, 10, 2, Route(Tier.THROUGHPUT, "n")),
+    (None, None, 101, 1, Route(Tier.THROUGHPUT, "prompt_length")),
+    (None, None, 100, 1, Route(Tier.LATENCY, "policy")),
+])
+def test_body_beats_header_beats_policy(service_tier, header, prompt, n, expected):
+    assert choose_tier(settings(), service_tier, header, prompt, n) == expected
+
+
+def test_unknown_tier_header_is_a_400():
+    with pytest.raises(APIError) as caught:
+        choose_tier(settings(), None, "fastest", 10, 1)
+    assert caught.value.status == 400 and caught.value.param == "x-megaserve-tier"
+
+
+async def test_slots_are_granted_in_arrival_order_and_a_timeout_gives_nothing():
+    slots = TierSlots(capacity=2)
+    assert slots.take_now(2)
+    big = asyncio.create_task(slots.wait_for(2, wait_seconds=5))
+    small = asyncio.create_task(slots.wait_for(1, wait_seconds=5))
+    await asyncio.sleep(0.01)
+    slots.give_back(1)  # one free slot: `small` fits but must not pass `big`, which came first
+    await asyncio.sleep(0.01)
+    assert not big.done() and not small.done()
+    slots.give_back(1)
+    assert await big and not small.done()
+    assert slots.in_flight == 2
+    assert not slots.take_now(1)  # `small` waits, so a newcomer may not barge in
+    slots.give_back(2)
+    assert await small and slots.in_flight == 1
+    assert not await slots.wait_for(2, wait_seconds=0.02) and slots.in_flight == 1
+
+
+async def test_a_waiter_cancelled_while_queued_leaves_no_trace():
+    slots = TierSlots(capacity=1)
+    assert slots.take_now(1)
+    waiter = asyncio.create_task(slots.wait_for(1, wait_seconds=5))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    slots.give_back(1)
+    assert slots.in_flight == 0 and slots.take_now(1)
+
+
+def backends(engines) -> dict[Tier, EngineBackend]:
+    return {tier: EngineBackend(engine) for tier, engine in engines.items()}
+
+
+def routed(tier: Tier, reason: str) -> float:
+    return ROUTED_REQUESTS.labels(tier=tier.value, model=MODEL, reason=reason)._value.get()
+
+
+async def test_full_latency_tier_waits_then_spills_over(engines):
+    admission = Admission(settings(), backends(engines))
+    held = await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    assert held.tier is Tier.LATENCY
+    before = routed(Tier.THROUGHPUT, "spillover")
+    waiting = asyncio.create_task(admission.admit(Route(Tier.LATENCY, "requested"), 1))
+    await asyncio.sleep(0.01)
+    assert QUEUE_DEPTH.labels(tier="latency", model=MODEL)._value.get() == 1
+    spilled = await waiting
+    assert spilled.route == Route(Tier.THROUGHPUT, "spillover")
+    assert routed(Tier.THROUGHPUT, "spillover") == before + 1
+    assert QUEUE_DEPTH.labels(tier="latency", model=MODEL)._value.get() == 0
+
+
+async def test_a_slot_freed_within_the_wait_keeps_the_request_on_latency(engines):
+    admission = Admission(settings(latency_wait_seconds=5), backends(engines))
+    held = await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    waiting = asyncio.create_task(admission.admit(Route(Tier.LATENCY, "policy"), 1))
+    await asyncio.sleep(0.01)
+    held.release()
+    held.release()  # releasing twice gives back one slot, not two
+    assert (await waiting).tier is Tier.LATENCY
+    assert admission.slots[Tier.LATENCY].in_flight == 1
+
+
+async def test_both_tiers_full_is_429_with_retry_after(engines):
+    admission = Admission(settings(), backends(engines))
+    leases = [await admission.admit(Route(Tier.LATENCY, "policy"), 1),
+              await admission.admit(Route(Tier.THROUGHPUT, "policy"), 2)]
+    for route in (Route(Tier.LATENCY, "policy"), Route(Tier.THROUGHPUT, "requested")):
+        with pytest.raises(APIError) as caught:
+            await admission.admit(route, 1)
+        assert caught.value.status == 429 and caught.value.headers == {"Retry-After": "3"}
+        assert caught.value.reason == "saturated"
+    for lease in leases:
+        lease.release()
+
+
+async def test_without_spillover_a_full_latency_tier_is_429(engines):
+    admission = Admission(settings(spillover=False), backends(engines))
+    lease = await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    with pytest.raises(APIError) as caught:
+        await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    assert caught.value.status == 429 and "latency" in caught.value.message
+    lease.release()
+
+
+async def test_a_tier_without_healthy_replicas_is_503_or_spilled(demo_model_dir, engines):
+    stopped = TorchEngine(demo_model_dir)
+    await stopped.shutdown()
+    dead_latency = {Tier.LATENCY: EngineBackend(stopped), Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])}
+    spilled = await Admission(settings(), dead_latency).admit(Route(Tier.LATENCY, "policy"), 1)
+    assert spilled.route.reason == "spillover"
+    with pytest.raises(APIError) as caught:
+        await Admission(settings(spillover=False), dead_latency).admit(Route(Tier.LATENCY, "policy"), 1)
+    assert caught.value.status == 503 and caught.value.headers["Retry-After"] == "3"
+    only_dead = {Tier.THROUGHPUT: EngineBackend(stopped)}
+    with pytest.raises(APIError) as caught:
+        await Admission(settings(), only_dead).admit(Route(Tier.THROUGHPUT, "policy"), 1)
+    assert caught.value.status == 503 and caught.value.reason == "unavailable"
+
+
+def test_settings_refuse_nonsense():
+    with pytest.raises(ValueError, match="at least one tier"):
+        settings(latency_capacity=0, throughput_capacity=0)
+    with pytest.raises(ValueError, match="latency_wait_seconds"):
+        settings(latency_wait_seconds=-1)
