@@ -1,0 +1,222 @@
+"""Text <-> token ids for the router, from a Hugging Face model folder, without transformers or torch.
+
+- `Tokenizer.from_dir(path)`: the `tokenizers` library on tokenizer.json, special tokens and the
+  chat template from tokenizer_config.json (or chat_template.jinja), end-of-sequence ids from
+  generation_config.json, config.json and the tokenizer's eos_token.
+- `apply_chat_template` renders the model's Jinja template the way transformers does: a sandboxed
+  environment with trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
+  a `tojson` that keeps non-ASCII text, and bos_token/eos_token/... as variables.
+- `IncrementalDetokenizer` turns generated ids into text deltas. Byte-level BPE splits a multi-byte
+  character (emoji, CJK) across tokens, so a delta is held back while the decoded text ends in an
+  incomplete UTF-8 sequence (U+FFFD) and released once the character is whole.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Files that may name end-of-sequence token ids, besides the tokenizer's own eos_token.
+EOS_ID_FILES = ("generation_config.json", "config.json")
+# Special tokens that transformers hands to chat templates as variables.
+TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+DEFAULT_TEMPLATE_NAME = "default"
+REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template refused the messages."""
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        special_tokens: dict[str, str],
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None,
+    ) -> None:
+        self._backend = backend
+        self.special_tokens = special_tokens  # e.g. {"bos_token": "<|begin_of_text|>", ...}
+        self.eos_token_ids = eos_token_ids
+        self._template = _compile_chat_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not (path / TOKENIZER_FILE).is_file():
+            raise FileNotFoundError(f"no {TOKENIZER_FILE} in {path}")
+        backend = BackendTokenizer.from_file(str(path / TOKENIZER_FILE))
+        config = _read_json(path / TOKENIZER_CONFIG_FILE)
+        special_tokens = {
+            key: _token_text(config[key]) for key in TEMPLATE_SPECIAL_TOKENS if config.get(key) is not None
+        }
+        return cls(
+            backend,
+            special_tokens,
+            _eos_token_ids(path, backend, special_tokens.get("eos_token")),
+            _chat_template(path, config),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added special tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds
+        (Llama 3: <|begin_of_text|>). A rendered chat template already holds its own."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]), as transformers'
+        apply_chat_template(tokenize=False) renders it. Extra keyword arguments reach the template
+        (e.g. Qwen3's enable_thinking). Raises ChatTemplateError when the model has no template or
+        the template rejects the conversation (its raise_exception)."""
+        if self._template is None:
+            raise ChatTemplateError(
+                "this model has no chat template (no 'chat_template' in tokenizer_config.json and no "
+                f"{CHAT_TEMPLATE_FILE}); send a plain completion prompt instead"
+            )
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"the chat template rejected the messages: {error}") from error
+
+
+class IncrementalDetokenizer:
+    """Feed generated ids one at a time with `push`; each call returns the new text (maybe "").
+    Concatenating every push and a final `finish` equals decoding all ids at once.
+
+    It decodes a short window: the ids since the last emitted text, plus the ids that produced that
+    text as left context (the decoder may render a token differently at the start of a string).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window: list[int] = []  # context ids, then ids not yet emitted
+        self._context_length = 0  # how many leading ids of the window were already emitted
+
+    def push(self, token_id: int) -> str:
+        self._window.append(token_id)
+        context_text = self._decode(self._window[: self._context_length])
+        text = self._decode(self._window)
+        if len(text) <= len(context_text) or text.endswith(REPLACEMENT_CHAR):
+            return ""  # nothing visible yet, or a multi-byte character still incomplete
+        self._window = self._window[self._context_length :]
+        self._context_length = len(self._window)
+        return text[len(context_text) :]
+
+    def finish(self) -> str:
+        """Whatever is still held back at the end of the stream (an incomplete UTF-8 sequence
+        shows as U+FFFD, as in a full decode)."""
+        context_text = self._decode(self._window[: self._context_length])
+        remainder = self._decode(self._window)[len(context_text) :]
+        self._window, self._context_length = [], 0
+        return remainder
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in some
+    templates; rendering a prompt keeps the body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment.from_string(source)
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """The template text: chat_template.jinja if present (newer exports), else tokenizer_config's
+    `chat_template`, a string or a list of named templates of which "default" is used."""
+    if (path / CHAT_TEMPLATE_FILE).is_file():
+        return (path / CHAT_TEMPLATE_FILE).read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry["name"]: entry["template"] for entry in template}
+        if DEFAULT_TEMPLATE_NAME not in named:
+            raise ChatTemplateError(f"{TOKENIZER_CONFIG_FILE} has chat templates {sorted(named)} but no 'default'")
+        template = named[DEFAULT_TEMPLATE_NAME]
+    return template
+
+
+def _eos_token_ids(path: Path, backend: BackendTokenizer, eos_token: str | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    for file_name in EOS_ID_FILES:
+        value = _read_json(path / file_name).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else list(value or [])
+    if eos_token is not None and backend.token_to_id(eos_token) is not None:
+        ids.append(backend.token_to_id(eos_token))
+    return tuple(dict.fromkeys(ids))  # deduplicated, first occurrence order
+
+
+def _token_text(value: str | dict[str, Any]) -> str:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    return value["content"] if isinstance(value, dict) else value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

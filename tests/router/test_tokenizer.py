@@ -1,0 +1,147 @@
+"""The router's tokenizer against transformers' AutoTokenizer on the demo model's files, the chat
+template renderer on a template that leans on every Jinja setting transformers uses, and the
+incremental detokenizer on text whose characters span several byte-level tokens."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from megaserve.replicas.models.demo import END_OF_TEXT_TOKEN, EOT_TOKEN, ensure_demo_model
+from megaserve.router.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\n\nnew lines\r\n",
+    "The year 2026 has 365 days; 1,000,000 tokens/s.",
+    "emoji 😀👍🏽 and a family 👨‍👩‍👧",
+    "中文文本，日本語のテキスト、한국어",
+    "ünïcödé — “quotes” … ½",
+    "<|eot_id|> looks special",
+]
+CONVERSATION = [
+    {"role": "system", "content": "You are terse. "},
+    {"role": "user", "content": "  Hi there 👋"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "中文?"},
+]
+# Relies on trim_blocks / lstrip_blocks (block tags on their own indented lines leave no
+# whitespace), loop controls, namespace, tojson with non-ASCII text, eos_token, tools and the
+# {% generation %} tag, each as transformers renders them.
+RICH_TEMPLATE = """\
+{% set ns = namespace(turns=0) %}
+{% if tools %}
+    Tools: {{ tools | tojson }}
+{% endif %}
+{% for message in messages %}
+    {% if message['role'] == 'system' %}
+        {% continue %}
+    {% endif %}
+    {% set ns.turns = ns.turns + 1 %}
+    [{{ ns.turns }}] {{ message['role'] }}: {{ message['content'] | tojson }}
+    {% if message['role'] == 'assistant' %}
+        {% generation %}{{ message['content'] }}{% endgeneration %}{{ eos_token }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+    assistant:
+{% endif %}
+"""
+TOOLS = [{"type": "function", "function": {"name": "météo", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return ensure_demo_model(tmp_path_factory.mktemp("home"))
+
+
+@pytest.fixture(scope="module")
+def ours(demo_dir):
+    return Tokenizer.from_dir(demo_dir)
+
+
+@pytest.fixture(scope="module")
+def theirs(demo_dir):
+    return AutoTokenizer.from_pretrained(demo_dir)
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_and_decode_match_transformers(ours, theirs, add_special_tokens):
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=add_special_tokens)
+        assert ids == theirs.encode(text, add_special_tokens=add_special_tokens), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == text.replace("<|eot_id|>", "")
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+    assert ours.encode("x")[0] == theirs.bos_token_id
+    assert ours.vocab_size == len(theirs)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_demo_chat_template_matches_transformers(ours, theirs, add_generation_prompt):
+    text = ours.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt)
+    assert text == theirs.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>")
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n") == add_generation_prompt
+
+
+def test_template_from_chat_template_file_matches_transformers(demo_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(RICH_TEMPLATE)  # takes precedence over the config's
+    ours, theirs = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for tools in (None, TOOLS):
+        text = ours.apply_chat_template(CONVERSATION, tools=tools)
+        assert text == theirs.apply_chat_template(CONVERSATION, tools=tools, tokenize=False, add_generation_prompt=True)
+    # lstrip_blocks strips indentation before block tags only; text lines keep theirs.
+    assert text.startswith('    Tools: [{"type": "function", "function": {"name": "météo"')
+    assert text.endswith('    [3] user: "中文?"\n    assistant:\n') and "\nHello.<|eot_id|>\n" in text
+
+
+def test_template_raise_exception_becomes_chat_template_error(ours, theirs):
+    messages = [{"role": "tool", "content": "42"}]
+    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+        ours.apply_chat_template(messages)
+    with pytest.raises(Exception, match="unknown role tool"):
+        theirs.apply_chat_template(messages, tokenize=False)
+
+
+def test_model_without_chat_template_gets_a_clear_error(demo_dir, tmp_path):
+    shutil.copy(demo_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert not tokenizer.has_chat_template
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path / "missing")
+
+
+def test_eos_token_ids_gather_generation_config_and_tokenizer(ours, theirs):
+    eos = (theirs.convert_tokens_to_ids(END_OF_TEXT_TOKEN), theirs.convert_tokens_to_ids(EOT_TOKEN))
+    assert ours.eos_token_ids == eos
+
+
+@pytest.mark.parametrize("text", TEXTS[3:6])
+def test_incremental_detokenizer_equals_full_decode_without_broken_characters(ours, text):
+    ids = ours.encode(text, add_special_tokens=True) + [ours.encode(EOT_TOKEN, add_special_tokens=False)[0]]
+    detokenizer = IncrementalDetokenizer(ours)
+    deltas = [detokenizer.push(token) for token in ids]
+    assert "".join(deltas) + detokenizer.finish() == ours.decode(ids) == text
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert "" in deltas[1:-1], "expected a character split across tokens to be held back"
+
+
+def test_incremental_detokenizer_finish_releases_an_incomplete_character(ours):
+    ids = ours.encode("ok 😀", add_special_tokens=False)[:-1]  # drop the emoji's last byte token
+    detokenizer = IncrementalDetokenizer(ours)
+    streamed = "".join(detokenizer.push(token) for token in ids)
+    assert streamed == "ok "
+    assert streamed + detokenizer.finish() == ours.decode(ids)
+
+
+def test_tokenizer_module_does_not_import_torch():
+    code = "import sys, megaserve.router.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
