@@ -22,6 +22,7 @@ from megaserve.router.settings import RouterSettings
 from megaserve.router.tokenizer import Tokenizer
 
 MODEL = "megaserve-demo"
+LATENCY_MAX_PROMPT_TOKENS = 64
 SERVER_START_SECONDS = 10
 POLL_SECONDS = 0.005
 
@@ -49,7 +50,8 @@ def engines(demo_model_dir) -> Iterator[dict[Tier, TorchEngine]]:
 
 def router_settings(model_dir: str, **overrides) -> RouterSettings:
     values = dict(model_name=MODEL, model_dir=model_dir, max_context=2048, latency_capacity=1,
-                  throughput_capacity=4, latency_wait_seconds=0.05, retry_after_seconds=2)
+                  throughput_capacity=4, latency_wait_seconds=0.05, retry_after_seconds=2,
+                  latency_max_prompt_tokens=LATENCY_MAX_PROMPT_TOKENS)
     return RouterSettings(**(values | overrides))
 
 
@@ -128,3 +130,7 @@ def wait_until(condition, seconds: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(POLL_SECONDS)
+
+
+def running_requests(engine: Engine) -> int:
+    return asyncio.run(engine.health()).running_requests

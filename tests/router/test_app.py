@@ -1,0 +1,175 @@
+"""The router over real TorchEngines on the demo model, through real HTTP: both tiers, streaming
+and not, the tier echoed, usage, stop strings, n, auth, /v1/models and /health."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from megaserve.replicas.protocol import Tier
+from megaserve.router.backend import EngineBackend
+
+from .conftest import LATENCY_MAX_PROMPT_TOKENS, MODEL, running_requests, wait_until
+
+HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def sse_payloads(response: httpx.Response) -> list:
+    """The `data:` payloads of an event stream, `[DONE]` kept as a string."""
+    payloads = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            payloads.append(data if data == "[DONE]" else json.loads(data))
+    return payloads
+
+
+@pytest.mark.parametrize("service_tier, tier", [("priority", "latency"), ("default", "throughput"),
+                                                ("flex", "throughput")])
+def test_chat_completion_echoes_the_tier_in_body_and_header(router_url, service_tier, tier):
+    response = httpx.post(f"{router_url}/v1/chat/completions", json={
+        "model": MODEL, "messages": HELLO, "max_completion_tokens": 6, "service_tier": service_tier, **GREEDY})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-megaserve-tier"] == tier
+    assert response.headers["x-megaserve-route-reason"] == "requested"
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    assert body["service_tier"] == service_tier
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 6
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 6
+    assert body["timing"]["time_to_first_token_seconds"] > 0
+    assert body["timing"]["mean_step_seconds"] > 0
+
+
+def test_greedy_text_is_the_same_streamed_or_not_and_on_both_tiers(router_url, tokenizer):
+    texts = set()
+    for service_tier in ("priority", "default"):
+        for stream in (False, True):
+            request = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 16,
+                       "service_tier": service_tier, "stream": stream, **GREEDY}
+            with httpx.stream("POST", f"{router_url}/v1/completions", json=request) as response:
+                assert response.status_code == 200
+                if stream:
+                    assert response.headers["content-type"].startswith("text/event-stream")
+                    payloads = sse_payloads(response)
+                    assert payloads[-1] == "[DONE]"
+                    texts.add("".join(p["choices"][0]["text"] for p in payloads[:-1]))
+                else:
+                    response.read()
+                    texts.add(response.json()["choices"][0]["text"])
+    assert len(texts) == 1
+    assert texts.pop() != ""
+
+
+def test_streamed_chat_has_role_first_then_content_then_finish_then_usage(router_url):
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": True,
+               "stream_options": {"include_usage": True}, "service_tier": "auto", **GREEDY}
+    with httpx.stream("POST", f"{router_url}/v1/chat/completions", json=request) as response:
+        assert response.headers["x-megaserve-tier"] == "latency"
+        assert response.headers["x-megaserve-route-reason"] == "policy"
+        payloads = sse_payloads(response)
+    *chunks, usage_chunk, done = payloads
+    assert done == "[DONE]"
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert {c["service_tier"] for c in payloads[:-1]} == {"priority"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
+
+
+def test_stop_string_spanning_tokens_truncates_the_text_and_frees_the_replica(router_url, engines, tokenizer):
+    request = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 40,
+               "service_tier": "priority", **GREEDY}
+    full = httpx.post(f"{router_url}/v1/completions", json=request).json()["choices"][0]["text"]
+    assert full.startswith("oxox")  # the demo model's greedy continuation: tokens "ox", "ox", ...
+    for stream in (False, True):
+        body = {**request, "stop": ["never-generated", "xo"], "stream": stream}
+        with httpx.stream("POST", f"{router_url}/v1/completions", json=body) as response:
+            if stream:
+                payloads = sse_payloads(response)[:-1]
+                text = "".join(p["choices"][0]["text"] for p in payloads)
+                finish = payloads[-1]["choices"][0]["finish_reason"]
+            else:
+                response.read()
+                choice = response.json()["choices"][0]
+                text, finish = choice["text"], choice["finish_reason"]
+                assert response.json()["usage"]["completion_tokens"] < 40
+        # "x" of the first token was held back as a possible start of "xo", and never sent.
+        assert (text, finish) == ("o", "stop")
+        wait_until(lambda: running_requests(engines[Tier.LATENCY]) == 0)
+
+
+def test_n_choices_each_arrive_with_their_own_index(router_url):
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "n": 3, "seed": 7}
+    response = httpx.post(f"{router_url}/v1/chat/completions", json=request)
+    body = response.json()
+    assert response.headers["x-megaserve-route-reason"] == "n"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["completion_tokens"] >= 3
+    with httpx.stream("POST", f"{router_url}/v1/chat/completions", json={**request, "stream": True}) as response:
+        chunks = sse_payloads(response)[:-1]
+    finishes = {c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]}
+    assert finishes == {0, 1, 2}
+
+
+def test_long_prompts_go_to_throughput_and_the_header_can_pick_the_tier(router_url, tokenizer):
+    prompt = "word " * 100
+    assert len(tokenizer.encode(prompt)) > LATENCY_MAX_PROMPT_TOKENS
+    long = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert long.headers["x-megaserve-route-reason"] == "prompt_length"
+    assert long.headers["x-megaserve-tier"] == "throughput"
+    picked = httpx.post(f"{router_url}/v1/completions", headers={"x-megaserve-tier": "throughput"},
+                        json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert picked.headers["x-megaserve-tier"] == "throughput"
+    assert picked.headers["x-megaserve-route-reason"] == "header"
+
+
+def test_prompt_as_token_ids(router_url, tokenizer):
+    ids = tokenizer.encode("The quick brown fox")
+    by_ids = httpx.post(f"{router_url}/v1/completions",
+                        json={"model": MODEL, "prompt": ids, "max_tokens": 8, **GREEDY}).json()
+    by_text = httpx.post(f"{router_url}/v1/completions",
+                         json={"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, **GREEDY}).json()
+    assert by_ids["usage"]["prompt_tokens"] == len(ids)
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
+def test_models_and_health(router_url):
+    models = httpx.get(f"{router_url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 2048
+    assert httpx.get(f"{router_url}/v1/models/{MODEL}").json()["id"] == MODEL
+    missing = httpx.get(f"{router_url}/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    health = httpx.get(f"{router_url}/health").json()
+    assert health["status"] == "ok"
+    assert health["tiers"]["latency"] == {"healthy": True, "in_flight": 0, "capacity": 1}
+
+
+def test_api_keys_guard_everything_but_health(serve_router, engines):
+    url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()}, api_keys=("k1", "k2"))
+    chat = {"model": MODEL, "messages": HELLO, "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k1"}):
+        for method, path, body in (("POST", "/v1/chat/completions", chat), ("GET", "/v1/models", None)):
+            response = httpx.request(method, url + path, json=body, headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/health").status_code == 200
+    ok = httpx.post(url + "/v1/chat/completions", json=chat, headers={"Authorization": "Bearer k2"})
+    assert ok.status_code == 200
+
+
+def test_a_single_tier_deployment_serves_everything_from_it(serve_router, engines):
+    url = serve_router({Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])}, latency_capacity=0)
+    response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                          "service_tier": "priority"})
+    assert response.headers["x-megaserve-tier"] == "throughput"
+    assert response.headers["x-megaserve-route-reason"] == "spillover"
+    assert httpx.get(url + "/health").json()["tiers"]["latency"]["healthy"] is False
