@@ -49,6 +49,7 @@ from ..protocol import (
 from ..sampling import SamplingTable, sample
 from .engine_metrics import EngineMetrics
 from .stream import RequestQueue, StreamOutbox, TokenStream
+from .validation import check_context, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -117,16 +118,8 @@ class TorchEngine(Engine):
 
     def validate(self, request: GenerateRequest) -> None:
         super().validate(request)
-        for token in request.prompt_token_ids:
-            if not 0 <= token < self.vocab_size:
-                raise EngineError(f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})")
-        prompt, wanted = len(request.prompt_token_ids), request.sampling.max_tokens
-        if prompt + wanted > self.max_context:
-            raise EngineError(
-                f"this model's maximum context length is {self.max_context} tokens, but "
-                f"{prompt + wanted} were requested ({prompt} in the prompt, {wanted} to generate); "
-                "shorten the prompt or lower max_tokens"
-            )
+        check_token_ids(request, self.vocab_size)
+        check_context(request, self.max_context)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         """Validate now (EngineError at the call), queue when iteration starts."""
