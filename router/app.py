@@ -56,6 +56,7 @@ JSON_MEDIA_TYPES = ("application/json",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"; nobody reads it
 SPILLOVER_PRIORITY = 1  # queue position in the throughput engine of work that asked for latency
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+UNION_TAG_TYPES = {"str", "int", "float", "bool"}
 SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
 
 log = logging.getLogger(__name__)
@@ -374,14 +375,22 @@ def _json(model: BaseModel, headers: Mapping[str, str] | None = None) -> Respons
 
 
 def _validation_error(error: ValidationError) -> APIError:
-    first = error.errors(include_url=False)[0]
-    if first["type"] == "json_invalid":
-        return invalid(f"the body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
-    if not first["loc"]:
-        return invalid(f"the body must be a JSON object: {first['msg']}")
-    param = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    return invalid(f"{param}: {message}", param)
+    """The error that got furthest into the body (for a union: the member the client meant),
+    with pydantic's union member tags left out of its path."""
+    deepest = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
+    if deepest["type"] == "json_invalid":
+        return invalid(f"the body is not valid JSON: {deepest['msg'].removeprefix('Invalid JSON: ')}")
+    path = [str(part) for part in deepest["loc"] if not _is_union_tag(part)]
+    if not path:
+        return invalid(f"the body must be a JSON object: {deepest['msg']}")
+    param = ".".join(path)
+    return invalid(f"{param}: {deepest['msg'].removeprefix('Value error, ')}", param)
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """Pydantic names union members in error paths by type ("str", "list[int]", "ContentPart");
+    the schema's field names are all lower_snake_case."""
+    return isinstance(part, str) and (part in UNION_TAG_TYPES or "[" in part or part[:1].isupper())
 
 
 async def _http_error_response(request: Request, error: StarletteHTTPException) -> Response:

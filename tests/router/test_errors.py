@@ -1,0 +1,125 @@
+"""Every bad request gets an OpenAI-style 4xx error JSON, never a 500, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from megaserve.monitoring.metrics import REJECTED_REQUESTS
+
+from .conftest import MODEL
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": HI, **fields}).encode()
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "hi", **fields}).encode()
+
+
+BAD_REQUESTS = {
+    "malformed JSON": (CHAT, b'{"model": ', 400, None),
+    "not an object": (CHAT, b"[1, 2]", 400, None),
+    "non-UTF-8 bytes": (COMPLETIONS, b'{"model": "megaserve-demo", "prompt": "\xff\xfe"}', 400, None),
+    "missing model": (CHAT, json.dumps({"messages": HI}).encode(), 400, "model"),
+    "unknown model": (CHAT, chat(model="gpt-5"), 404, "model"),
+    "messages not a list": (CHAT, chat(messages="hi"), 400, "messages"),
+    "empty messages": (CHAT, chat(messages=[]), 400, "messages"),
+    "unknown role": (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role"),
+    "image content": (CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages.0.content.0"),
+    "max_tokens as a string": (CHAT, chat(max_tokens="5"), 400, "max_tokens"),
+    "max_tokens zero": (CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    "max_completion_tokens negative": (CHAT, chat(max_completion_tokens=-3), 400, "max_completion_tokens"),
+    "max_tokens past the context": (CHAT, chat(max_tokens=2040), 400, "max_tokens"),
+    "prompt past the context": (COMPLETIONS, completion(prompt="hello " * 3000), 400, "prompt"),
+    "empty prompt": (COMPLETIONS, completion(prompt=""), 400, "prompt"),
+    "batch of prompts": (COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt"),
+    "token id outside the vocabulary": (COMPLETIONS, completion(prompt=[1, 2, 10**6]), 400, "prompt"),
+    "negative stop token id": (COMPLETIONS, completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    "unknown service_tier": (CHAT, chat(service_tier="turbo"), 400, "service_tier"),
+    "stream as a string": (CHAT, chat(stream="yes"), 400, "stream"),
+    "temperature too high": (CHAT, chat(temperature=3), 400, "temperature"),
+    "temperature NaN": (CHAT, b'{"model": "megaserve-demo", "messages": [], "temperature": NaN}', 400, None),
+    "top_p zero": (CHAT, chat(top_p=0), 400, "top_p"),
+    "n zero": (CHAT, chat(n=0), 400, "n"),
+    "n above the limit": (CHAT, chat(n=99), 400, "n"),
+    "empty stop string": (CHAT, chat(stop=[""]), 400, "stop"),
+    "too many stop strings": (CHAT, chat(stop=[str(i) for i in range(17)]), 400, "stop"),
+    "logprobs asked for": (CHAT, chat(logprobs=True), 400, None),
+    "tools given": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None),
+}
+
+
+@pytest.mark.parametrize("path, content, status, param", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request_gets_an_openai_error(router_url, path, content, status, param):
+    response = httpx.post(router_url + path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_context_errors_carry_openai_code(router_url):
+    error = httpx.post(router_url + CHAT, content=chat(max_tokens=4000)).json()["error"]
+    assert error["code"] == "context_length_exceeded" and "2048" in error["message"]
+
+
+def test_unknown_fields_are_ignored(router_url):
+    response = httpx.post(router_url + CHAT, content=chat(max_tokens=1, metadata={"k": "v"}, store=False,
+                                                          frobnicate=3))
+    assert response.status_code == 200
+
+
+def test_unknown_tier_header_is_a_400(router_url):
+    response = httpx.post(router_url + CHAT, content=chat(max_tokens=1), headers={"x-megaserve-tier": "fast"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "x-megaserve-tier"
+
+
+def test_wrong_content_type_is_415(router_url):
+    response = httpx.post(router_url + CHAT, content=chat(), headers={"content-type": "text/plain"})
+    assert response.status_code == 415 and "application/json" in response.json()["error"]["message"]
+
+
+def test_a_body_without_content_type_is_read_as_json(router_url):
+    response = httpx.post(router_url + CHAT, content=chat(max_tokens=1), headers={"content-type": ""})
+    assert response.status_code == 200
+
+
+def test_huge_bodies_are_413_declared_or_chunked(router_url):
+    huge = b"x" * (5 << 20)
+    declared = httpx.post(router_url + COMPLETIONS, content=huge)
+    assert declared.status_code == 413 and declared.json()["error"]["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length: the limit must hold while reading
+        for _ in range(5):
+            yield b"x" * (1 << 20)
+
+    chunked = httpx.post(router_url + COMPLETIONS, content=chunks())
+    assert chunked.status_code == 413
+
+
+def test_unknown_paths_and_methods_answer_in_openai_shape(router_url):
+    missing = httpx.get(router_url + "/v1/embeddings")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    wrong_method = httpx.get(router_url + CHAT)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"]
+
+
+def test_refusals_are_counted_and_the_server_keeps_serving(router_url):
+    invalid = REJECTED_REQUESTS.labels(model=MODEL, reason="invalid")
+    before = invalid._value.get()
+    for path, content, _, _ in BAD_REQUESTS.values():
+        httpx.post(router_url + path, content=content)
+    assert invalid._value.get() == before + len(BAD_REQUESTS)
+    served = httpx.post(router_url + CHAT, content=chat(max_tokens=2))
+    assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"]
