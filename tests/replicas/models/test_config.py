@@ -1,0 +1,183 @@
+"""Reading config.json (classic and transformers-5 keys) and refusing what the decoder cannot run;
+checkpoints whose tensors disagree with their config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megaserve.replicas.models import CheckpointError, ModelConfig, load_model
+from megaserve.replicas.models.rope import rope_inv_freq
+from tests.model_factory import make_tiny_model
+
+# The shape of Llama 3.1 8B's config.json, as published (classic keys).
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+# The shape of Qwen3-0.6B's config.json, as published.
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_llama31_config():
+    config = ModelConfig.from_hf_dict(LLAMA31_8B)
+    assert (config.family, config.num_layers, config.num_heads, config.num_kv_heads) == ("llama", 32, 32, 8)
+    assert config.head_dim == 128 and not config.qk_norm and not config.tie_word_embeddings
+    assert config.rope_theta == 500000.0 and config.rope_scaling["factor"] == 8.0
+    assert config.eos_token_ids == (128001, 128008, 128009) and config.torch_dtype == "bfloat16"
+
+
+def test_qwen3_config():
+    config = ModelConfig.from_hf_dict(QWEN3_06B)
+    assert (config.family, config.head_dim, config.hidden_size // config.num_heads) == ("qwen3", 128, 64)
+    assert config.qk_norm and config.tie_word_embeddings and config.rope_scaling is None
+    assert config.eos_token_ids == (151645,) and config.rope_theta == 1e6
+
+
+def test_transformers5_keys_read_like_classic_ones():
+    """transformers 5 writes rope_parameters (with rope_theta inside) and dtype."""
+    modern = {key: value for key, value in LLAMA31_8B.items() if key not in ("rope_scaling", "rope_theta", "torch_dtype")}
+    modern["rope_parameters"] = {**LLAMA31_8B["rope_scaling"], "rope_theta": 500000.0}
+    modern["dtype"] = "bfloat16"
+    assert ModelConfig.from_hf_dict(modern) == ModelConfig.from_hf_dict(LLAMA31_8B)
+
+
+def test_llama3_scaling_slows_only_long_wavelengths():
+    scaled = rope_inv_freq(ModelConfig.from_hf_dict(LLAMA31_8B))
+    plain = rope_inv_freq(ModelConfig.from_hf_dict({**LLAMA31_8B, "rope_scaling": None}))
+    assert scaled.dtype == torch.float32 and scaled.shape == (64,)
+    assert torch.equal(scaled[:10], plain[:10])  # high frequencies untouched
+    assert torch.allclose(scaled[-10:], plain[-10:] / 8.0)  # low frequencies slowed by `factor`
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "architectures"),
+        ({"architectures": None}, "architectures"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"sliding_window": 4096}, "sliding_window"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"num_key_value_heads": 5}, "num_key_value_heads"),
+        ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
+        ({"hidden_size": None}, "hidden_size"),
+    ],
+)
+def test_unsupported_llama_configs_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict({**LLAMA31_8B, **change})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ],
+)
+def test_unsupported_qwen3_configs_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict({**QWEN3_06B, **change})
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_hf_dir(tmp_path)
+
+
+@pytest.fixture()
+def checkpoint(tmp_path):
+    """A tiny single-file checkpoint and its tensors, to be tampered with."""
+    path = make_tiny_model(tmp_path / "model", "qwen3")
+    return path, load_file(path / "model.safetensors")
+
+
+def test_missing_tensor_is_named(checkpoint):
+    path, tensors = checkpoint
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensor\(s\).*model\.layers\.1\.self_attn\.k_norm\.weight"):
+        load_model(path)
+
+
+def test_unexpected_tensor_is_named(checkpoint):
+    path, tensors = checkpoint
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(4)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected.*q_proj\.bias"):
+        load_model(path)
+
+
+def test_misshaped_tensor_is_named(checkpoint):
+    path, tensors = checkpoint
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:-1]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*shape \(127, 64\), expected \(128, 64\)"):
+        load_model(path)
+
+
+def test_sharded_index_naming_a_missing_shard(tmp_path):
+    path = make_tiny_model(tmp_path, "llama", max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (path / shard).unlink()
+    with pytest.raises(FileNotFoundError, match=shard):
+        load_model(path)
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(tmp_path)
