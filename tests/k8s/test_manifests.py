@@ -1,0 +1,217 @@
+"""k8s/: every manifest validates against its schema, and the pieces agree with each other
+(serveConfigV2 is deploy/gb300.yaml, pods fit the replicas, the PodMonitor finds the ports)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from megaserve.deploy.config import AppConfig
+from megaserve.monitoring import alerts, dashboards
+from megaserve.monitoring.promql import METRICS_JOB, RAY_JOB
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+# CRD schemas are data kept beside the checkout (shared/schemas/README.md names their sources).
+SCHEMAS = REPO.parent / "shared" / "schemas"
+KUBERNETES_VERSION = "1.33"
+GPU = "nvidia.com/gpu"
+RAY_METRICS_PORT_NAME = "metrics"
+MEGASERVE_METRICS_PORT_NAME = "megaserve-metrics"
+
+
+def _documents() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def _one(kind: str) -> dict:
+    (doc,) = [d for d in _documents() if d["kind"] == kind]
+    return doc
+
+
+@functools.cache
+def _load_crds() -> dict[tuple[str, str], dict]:
+    schemas = {}
+    for path in SCHEMAS.glob("*/*.yaml"):
+        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            schemas[(f"{group}/{version['name']}", kind)] = version["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+def _crd_schemas() -> dict[tuple[str, str], dict]:
+    if not SCHEMAS.is_dir():
+        pytest.skip(f"CRD schemas not found at {SCHEMAS} (a `shared/schemas` folder beside the "
+                    "checkout); see shared/schemas/README.md for their sources")
+    return _load_crds()
+
+
+def _validator(schema: dict) -> jsonschema.Validator:
+    # OpenAPI v3 schemas are JSON Schema draft 4-7 in spirit; their `pattern`s are Go regexes,
+    # which Python's `re` only compiles when a field using one is present.
+    return jsonschema.Draft7Validator(schema)
+
+
+def _app_config() -> tuple[dict, AppConfig]:
+    serve_config = yaml.safe_load(_one("RayService")["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    return serve_config, AppConfig.model_validate(app["args"])
+
+
+def _cluster() -> dict:
+    return _one("RayService")["spec"]["rayClusterConfig"]
+
+
+def _pod_specs() -> dict[str, dict]:
+    """Group name ('head' for the head) -> pod template spec."""
+    cluster = _cluster()
+    specs = {"head": cluster["headGroupSpec"]["template"]["spec"]}
+    for group in cluster["workerGroupSpecs"]:
+        specs[group["groupName"]] = group["template"]["spec"]
+    return specs
+
+
+def _gpus(pod_spec: dict) -> int:
+    (container,) = pod_spec["containers"]
+    return int(container.get("resources", {}).get("limits", {}).get(GPU, 0))
+
+
+def _is_core(doc: dict) -> bool:
+    return "." not in doc["apiVersion"].split("/")[0]  # v1, apps/v1; not ray.io/v1
+
+
+@pytest.mark.parametrize("doc", [d for d in _documents() if not _is_core(d)],
+                         ids=lambda doc: doc["kind"])
+def test_custom_resources_validate_against_their_crd(doc):
+    _validator(_crd_schemas()[(doc["apiVersion"], doc["kind"])]).validate(doc)
+
+
+def test_core_kinds_validate_with_kubernetes_validate():
+    core = [d for d in _documents() if _is_core(d)]
+    assert {d["kind"] for d in core} == {"ConfigMap"}
+    for doc in core:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("group", ["head", "latency", "throughput"])
+def test_every_pod_template_is_a_valid_pod(group):
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": group},
+           "spec": _pod_specs()[group]}
+    kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_broken_manifest_is_caught():
+    schemas = _crd_schemas()
+    rayservice = _one("RayService")
+    broken = {**rayservice, "spec": {**rayservice["spec"], "serveConfigV2": {"not": "a string"}}}
+    with pytest.raises(jsonschema.ValidationError):
+        _validator(schemas[("ray.io/v1", "RayService")]).validate(broken)
+
+
+def test_serve_config_is_deploy_gb300_yaml_and_parses_with_both_schemas():
+    serve_config, config = _app_config()
+    assert serve_config == yaml.safe_load((REPO / "deploy" / "gb300.yaml").read_text())
+    ServeDeploySchema.model_validate(serve_config)
+    assert serve_config["applications"][0]["import_path"] == "megaserve.deploy.builder:build_app"
+    assert config.latency.resolved_engine == "megakernel"
+    assert config.throughput.engine == "sglang"
+    assert config.metrics.bind_host == "0.0.0.0"
+
+
+def test_ray_token_authentication_stays_on():
+    assert _cluster()["authOptions"]["mode"] == "token"
+
+
+def test_head_has_no_gpus_and_takes_no_replicas():
+    head = _cluster()["headGroupSpec"]
+    assert _gpus(head["template"]["spec"]) == 0
+    assert head["rayStartParams"]["num-cpus"] == "0"
+
+
+@pytest.mark.parametrize("group", ["latency", "throughput"])
+def test_gb300_pods_take_whole_trays(group):
+    spec = _pod_specs()[group]
+    assert spec["nodeSelector"] == {"kubernetes.io/arch": "arm64",
+                                    "nvidia.com/gpu.product": "NVIDIA-GB300"}
+    tolerated = {(t["key"], t.get("value")) for t in spec["tolerations"]}
+    assert {("kubernetes.io/arch", "arm64"), (GPU, None)} <= tolerated
+    (container,) = spec["containers"]
+    assert container["resources"]["requests"][GPU] == container["resources"]["limits"][GPU]
+
+
+def test_worker_groups_differ_only_in_their_labels():
+    latency, throughput = (_pod_specs()[g] for g in ("latency", "throughput"))
+    assert latency == throughput
+
+
+@pytest.mark.parametrize("tier", ["latency", "throughput"])
+def test_each_tier_fits_its_worker_group(tier):
+    _, config = _app_config()
+    settings = getattr(config, tier)
+    (group,) = [g for g in _cluster()["workerGroupSpecs"] if g["groupName"] == tier]
+    gpus_per_pod = _gpus(group["template"]["spec"])
+    # A replica's STRICT_PACK bundle must fit in one pod, and the pods exactly hold the replicas.
+    assert settings.tp_size <= gpus_per_pod and gpus_per_pod % settings.tp_size == 0
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert group["replicas"] * gpus_per_pod == settings.num_replicas * settings.tp_size
+    assert settings.accelerator_type == "GB300"
+
+
+@pytest.mark.parametrize("group", ["head", "latency", "throughput"])
+def test_every_pod_serves_both_metrics_ports_from_an_in_memory_folder(group):
+    _, config = _app_config()
+    spec = _pod_specs()[group]
+    (container,) = spec["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[MEGASERVE_METRICS_PORT_NAME] == config.metrics.port
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert int(env["MEGASERVE_METRICS_PORT"]) == config.metrics.port
+    params = (_cluster()["headGroupSpec"] if group == "head" else
+              next(g for g in _cluster()["workerGroupSpecs"] if g["groupName"] == group))
+    assert ports[RAY_METRICS_PORT_NAME] == int(params["rayStartParams"]["metrics-export-port"])
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = next(v for v in spec["volumes"] if v["name"] == mounts[config.metrics.multiproc_dir])
+    assert volume["emptyDir"]["medium"] == "Memory"
+
+
+def test_pod_monitor_scrapes_both_ports_of_every_pod_under_the_expected_jobs():
+    monitor = _one("PodMonitor")["spec"]
+    cluster = _cluster()
+    templates = [cluster["headGroupSpec"]["template"]] + [
+        g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        labels = template["metadata"]["labels"]
+        assert monitor["selector"]["matchLabels"].items() <= labels.items()
+    jobs = {e["port"]: e["relabelings"] for e in monitor["podMetricsEndpoints"]}
+    assert jobs[MEGASERVE_METRICS_PORT_NAME] == [{"targetLabel": "job", "replacement": METRICS_JOB}]
+    assert jobs[RAY_METRICS_PORT_NAME] == [{"targetLabel": "job", "replacement": RAY_JOB}]
+
+
+def test_dashboards_config_map_is_for_grafanas_sidecar():
+    configmap = _one("ConfigMap")
+    assert configmap["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    assert configmap["data"] == dashboards.render()
+
+
+def test_prometheus_rule_is_the_generated_alert_rules():
+    assert _one("PrometheusRule") == alerts.prometheus_rule()
+
+
+def test_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert sorted(kustomization["resources"]) == sorted(manifests)
+    images = {i["name"] for i in kustomization["images"]}
+    containers = [c for spec in _pod_specs().values() for c in spec["containers"]]
+    assert {c["image"].split(":")[0] for c in containers} == images
