@@ -168,6 +168,15 @@ def test_misshaped_tensor_is_named(checkpoint):
         load_model(path)
 
 
+def test_tied_checkpoint_that_also_saves_the_head_uses_the_embedding(tmp_path):
+    path = make_tiny_model(tmp_path, "llama", tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, path / "model.safetensors")
+    model = load_model(path)
+    assert model.lm_head is model.embed and model.embed.abs().sum() > 0
+
+
 def test_sharded_index_naming_a_missing_shard(tmp_path):
     path = make_tiny_model(tmp_path, "llama", max_shard_size="40KB")
     index = json.loads((path / "model.safetensors.index.json").read_text())

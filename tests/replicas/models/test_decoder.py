@@ -93,6 +93,17 @@ def test_decode_through_cache_matches_full_sequence(tiny):
         assert rel_err(step[0, 0], reference[position]) < REL_TOLERANCE, f"decode at position {position}"
 
 
+def test_chunked_prefill_matches_one_shot(tiny):
+    """A prompt fed in chunks at increasing positions gives the logits of feeding it at once."""
+    ours, hf_model = tiny
+    input_ids = tokens(PROMPT_LENGTH, ours.config.vocab_size, seed=2)
+    reference = hf_logits(hf_model, input_ids)[0]
+    cache = ours.new_cache(max_batch=1, max_seq=PROMPT_LENGTH)
+    for start, end in ((0, 7), (7, 8), (8, PROMPT_LENGTH)):
+        chunk = ours.forward(input_ids[:, start:end], torch.arange(start, end)[None], cache, torch.tensor([0]))
+        assert rel_err(chunk[0], reference[start:end]) < REL_TOLERANCE, f"chunk {start}:{end}"
+
+
 def test_batched_decode_rows_at_different_positions_equal_single_rows(tiny):
     """Continuous batching: three sequences of different lengths in scattered slots, one step."""
     ours, _ = tiny
