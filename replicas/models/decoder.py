@@ -158,14 +158,18 @@ class Model:
         slots: torch.Tensor,
         *,
         last_only: bool = False,
+        context_len: int | None = None,
     ) -> torch.Tensor:
         """Run tokens input_ids [B, T] at positions [B, T] of the sequences in cache rows slots [B].
 
         Writes their keys and values into the cache, attends each token to its own row's keys at
         positions <= its own (rows may be at different positions), and returns float32 logits
         [B, T, V], or only the last token's [B, V] when `last_only` (prefill then never builds the
-        [T, V] logits). Positions must be below cache.max_seq; computing how far to read the cache
-        costs one device-to-host sync (positions.max()).
+        [T, V] logits). Positions must be below cache.max_seq.
+
+        Attention reads cache positions [0, context_len). None means positions.max() + 1, which
+        costs one device-to-host sync; a caller that knows a bound (> every position, <= max_seq)
+        passes it, and the step then has no sync at all and can be captured in a CUDA graph.
         """
         batch, length = input_ids.shape
         if positions.shape != input_ids.shape or slots.shape != (batch,):
@@ -173,9 +177,12 @@ class Model:
                 f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and slots "
                 f"{tuple(slots.shape)} must be [B, T], [B, T] and [B]"
             )
-        context = int(positions.max()) + 1  # cache positions any query may see
-        key_positions = torch.arange(context, device=positions.device)
-        causal_mask = key_positions <= positions[:, None, :, None]  # [B, 1, T, context]
+        if context_len is None:
+            context_len = int(positions.max()) + 1
+        if not 0 < context_len <= cache.max_seq:
+            raise ValueError(f"context_len must be in [1, {cache.max_seq}] (the cache's max_seq), got {context_len}")
+        key_positions = torch.arange(context_len, device=positions.device)
+        causal_mask = key_positions <= positions[:, None, :, None]  # [B, 1, T, context_len]
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, self.dtype)  # [B, T, head_dim]
 
         hidden = self.embed[input_ids]  # [B, T, H]
@@ -204,7 +211,7 @@ class Model:
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [B]
         positions: torch.Tensor,  # [B, T]
-        causal_mask: torch.Tensor,  # [B, 1, T, context]
+        causal_mask: torch.Tensor,  # [B, 1, T, context_len]
     ) -> torch.Tensor:
         config = self.config
         batch, length, _ = x.shape
@@ -219,9 +226,9 @@ class Model:
         # Advanced indices [B, 1] and [B, T] around a slice: the indexed view is [B, T, kv_heads, head_dim].
         k_cache[slots[:, None], :, positions] = k.to(k_cache.dtype)
         v_cache[slots[:, None], :, positions] = v.to(v_cache.dtype)
-        context = causal_mask.shape[-1]
-        keys = k_cache[slots, :, :context].to(q.dtype)  # [B, kv_heads, context, head_dim]
-        values = v_cache[slots, :, :context].to(q.dtype)
+        context_len = causal_mask.shape[-1]
+        keys = k_cache[slots, :, :context_len].to(q.dtype)  # [B, kv_heads, context_len, head_dim]
+        values = v_cache[slots, :, :context_len].to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=causal_mask,
             scale=config.head_dim**-0.5, enable_gqa=True,

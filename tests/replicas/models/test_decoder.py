@@ -127,6 +127,12 @@ def test_batched_decode_rows_at_different_positions_equal_single_rows(tiny):
     )
     for row, single in enumerate(singles):
         assert rel_err(batched[row], single[0]) < REL_TOLERANCE
+    # A caller-given bound on the context (no host sync) reads more, all masked: same logits.
+    again = ours.forward(
+        torch.cat([prompt[:, length:] for prompt, length in zip(prompts, lengths)]),
+        torch.tensor(lengths)[:, None], batched_cache, torch.tensor(slots), context_len=batched_cache.max_seq,
+    )
+    assert rel_err(again, batched) < REL_TOLERANCE
     for layer in range(ours.config.num_layers):
         assert rel_err(batched_cache.k[layer], single_cache.k[layer]) < REL_TOLERANCE
         assert rel_err(batched_cache.v[layer], single_cache.v[layer]) < REL_TOLERANCE
@@ -137,6 +143,9 @@ def test_forward_rejects_mismatched_shapes(tiny):
     cache = ours.new_cache(1, 8)
     with pytest.raises(ValueError, match="must be"):
         ours.forward(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), cache, torch.tensor([0]))
+    with pytest.raises(ValueError, match="context_len"):
+        ours.forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), cache, torch.tensor([0]),
+                     context_len=9)
 
 
 def test_kv_cache_shape():
