@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -31,24 +30,16 @@ from megaserve.router.backend import Backend
 from megaserve.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, invalid
 from megaserve.router.generation import Delta, Generation, GenerationFailed
 from megaserve.router.openai_schema import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatMessageOut,
-    Completion,
-    CompletionChoice,
     CompletionRequest,
+    GenerationRequest,
     ModelCard,
     ModelList,
-    Timing,
-    Usage,
-    _GenerationRequest,
 )
-from megaserve.router.policy import TIER_HEADER, Admission, Lease, choose_tier
+from megaserve.router.policy import TIER_HEADER, Admission, choose_tier
+from megaserve.router.responses import ResponseBuilder, served_tier
 from megaserve.router.settings import RouterSettings
-from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, closing, unless_disconnected
+from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
 from megaserve.router.tokenizer import ChatTemplateError, Tokenizer
 
 ROUTE_REASON_HEADER = "x-megaserve-route-reason"
@@ -57,7 +48,6 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"; nobod
 SPILLOVER_PRIORITY = 1  # queue position in the throughput engine of work that asked for latency
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 UNION_TAG_TYPES = {"str", "int", "float", "bool"}
-SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +140,7 @@ class _Router:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
                            reason="unauthorized")
 
-    async def _read(self, request: Request, schema: type[_GenerationRequest]) -> _GenerationRequest:
+    async def _read(self, request: Request, schema: type[GenerationRequest]) -> GenerationRequest:
         self._authorize(request)
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
@@ -197,7 +187,7 @@ class _Router:
         return ModelCard(id=self.settings.model_name, created=self.settings.created,
                          max_model_len=self.settings.max_context)
 
-    def _sampling(self, body: _GenerationRequest, prompt_tokens: int) -> SamplingParams:
+    def _sampling(self, body: GenerationRequest, prompt_tokens: int) -> SamplingParams:
         context = self.settings.max_context
         if prompt_tokens >= context:
             raise invalid(f"the prompt has {prompt_tokens} tokens but the model's context is {context}; "
@@ -223,7 +213,7 @@ class _Router:
     # --- serving a request ----------------------------------------------------------------
 
     async def _generate(
-        self, request: Request, body: _GenerationRequest, prompt_ids: list[int], arrival: float, *, chat: bool
+        self, request: Request, body: GenerationRequest, prompt_ids: list[int], arrival: float, *, chat: bool
     ) -> Response:
         n = body.n or 1
         if n > self.settings.max_n:
@@ -248,7 +238,7 @@ class _Router:
             stops=body.stop_sequences,
             arrival=arrival,
         )
-        answer = _Answer(request_id, self.settings.model_name, _served_tier(body, lease), chat, generation)
+        answer = ResponseBuilder(request_id, self.settings.model_name, served_tier(body, lease), chat, generation)
         headers = {TIER_HEADER: lease.tier.value, ROUTE_REASON_HEADER: lease.route.reason}
         events = generation.events()
         try:
@@ -273,85 +263,6 @@ class _Router:
                 lease.release()
 
 
-class _Answer:
-    """Turns a generation's deltas into OpenAI responses and chunks."""
-
-    def __init__(self, request_id: str, model: str, service_tier: str, chat: bool, generation: Generation) -> None:
-        self.common = {"id": request_id, "model": model, "service_tier": service_tier}
-        self.created = int(time.time())
-        self.chat = chat
-        self.generation = generation
-
-    def usage(self) -> Usage:
-        g = self.generation
-        return Usage(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
-                     total_tokens=g.prompt_tokens + g.completion_tokens)
-
-    def timing(self) -> Timing:
-        g = self.generation
-        end = g.finished_at or time.perf_counter()
-        return Timing(
-            time_to_first_token_seconds=None if g.first_token_at is None else g.first_token_at - g.arrival,
-            mean_step_seconds=g.decode_seconds / g.decode_tokens if g.decode_tokens else None,
-            total_seconds=end - g.arrival,
-        )
-
-    def complete(self, deltas: list[Delta], n: int) -> ChatCompletion | Completion:
-        texts = ["" for _ in range(n)]
-        finish: list[str] = ["abort"] * n
-        for delta in deltas:
-            texts[delta.index] += delta.text
-            if delta.finish_reason is not None:
-                finish[delta.index] = delta.finish_reason
-        if self.chat:
-            choices = [ChatChoice(index=i, message=ChatMessageOut(content=texts[i]), finish_reason=finish[i])
-                       for i in range(n)]
-            return ChatCompletion(**self.common, created=self.created, choices=choices, usage=self.usage(),
-                                  timing=self.timing())
-        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finish[i]) for i in range(n)]
-        return Completion(**self.common, created=self.created, choices=choices, usage=self.usage(),
-                          timing=self.timing())
-
-    async def sse(
-        self, first: Delta, rest: AsyncGenerator[Delta, None], n: int, include_usage: bool
-    ) -> AsyncGenerator[bytes, None]:
-        """Role chunks (chat), then one chunk per delta, the usage chunk if asked, `[DONE]`."""
-        async with closing(rest):
-            try:
-                if self.chat:
-                    yield self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
-                                       for i in range(n)])
-                yield self._delta_chunk(first)
-                async for delta in rest:
-                    yield self._delta_chunk(delta)
-            except (APIError, EngineError, GenerationFailed) as error:
-                message = error.message if isinstance(error, APIError) else f"generation failed: {error}"
-                yield _sse({"error": {"message": message, "type": SERVER_ERROR, "param": None, "code": None}})
-                return
-        if include_usage:
-            yield self._chunk([], usage=self.usage(), timing=self.timing())
-        yield SSE_DONE
-
-    def _delta_chunk(self, delta: Delta) -> bytes:
-        if self.chat:
-            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-            return self._chunk([ChatChunkChoice(index=delta.index, delta=content,
-                                                finish_reason=delta.finish_reason)])
-        return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason)])
-
-    def _chunk(self, choices: list, **extra) -> bytes:
-        kind = ChatCompletionChunk if self.chat else Completion
-        return b"data: " + kind(**self.common, created=self.created, choices=choices, **extra).model_dump_json(
-        ).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def _sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
 async def _collect(events: AsyncGenerator[Delta, None]) -> list[Delta]:
     return [delta async for delta in events]
 
@@ -361,13 +272,6 @@ def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or sampling.seed is None:
         return sampling
     return dataclasses.replace(sampling, seed=sampling.seed + index)
-
-
-def _served_tier(body: _GenerationRequest, lease: Lease) -> str:
-    """OpenAI's name of the tier used: a "flex" request served by throughput stays "flex"."""
-    if lease.tier is Tier.THROUGHPUT and body.service_tier == "flex":
-        return "flex"
-    return SERVED_SERVICE_TIER[lease.tier]
 
 
 def _json(model: BaseModel, headers: Mapping[str, str] | None = None) -> Response:

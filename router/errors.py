@@ -9,7 +9,6 @@ from __future__ import annotations
 from http import HTTPStatus
 
 INVALID_REQUEST = "invalid_request_error"
-AUTHENTICATION = "authentication_error"
 RATE_LIMIT = "rate_limit_error"  # what OpenAI answers with 429
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"

@@ -77,7 +77,7 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
 }
 
 
-class _GenerationRequest(_Request):
+class GenerationRequest(_Request):
     """The sampling fields both endpoints share."""
 
     model: str
@@ -136,7 +136,7 @@ class _GenerationRequest(_Request):
         return self.max_tokens
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
@@ -146,7 +146,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
 
     @field_validator("prompt")

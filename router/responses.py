@@ -1,0 +1,117 @@
+"""A generation's deltas as OpenAI bodies: one JSON completion, or server-sent event chunks.
+
+Streams follow OpenAI's order: for chat a first chunk per choice with `{"role": "assistant"}`,
+then one chunk per text delta (the last of a choice carries its finish_reason), then, if
+`stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`.
+A failure after the first chunk arrives as an `{"error": ...}` event (the status is already sent).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator
+
+from megaserve.replicas.protocol import EngineError, Tier
+from megaserve.router.errors import SERVER_ERROR, APIError
+from megaserve.router.generation import Delta, Generation, GenerationFailed
+from megaserve.router.openai_schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    GenerationRequest,
+    Timing,
+    Usage,
+)
+from megaserve.router.policy import Lease
+from megaserve.router.streaming import closing
+
+SSE_DONE = b"data: [DONE]\n\n"
+SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
+
+
+def served_tier(body: GenerationRequest, lease: Lease) -> str:
+    """OpenAI's name of the tier used: a "flex" request served by throughput stays "flex"."""
+    if lease.tier is Tier.THROUGHPUT and body.service_tier == "flex":
+        return "flex"
+    return SERVED_SERVICE_TIER[lease.tier]
+
+
+class ResponseBuilder:
+    """Turns a generation's deltas into OpenAI responses and chunks."""
+
+    def __init__(self, request_id: str, model: str, service_tier: str, chat: bool, generation: Generation) -> None:
+        self.common = {"id": request_id, "model": model, "service_tier": service_tier}
+        self.created = int(time.time())
+        self.chat = chat
+        self.generation = generation
+
+    def usage(self) -> Usage:
+        g = self.generation
+        return Usage(prompt_tokens=g.prompt_tokens, completion_tokens=g.completion_tokens,
+                     total_tokens=g.prompt_tokens + g.completion_tokens)
+
+    def timing(self) -> Timing:
+        g = self.generation
+        end = g.finished_at or time.perf_counter()
+        return Timing(
+            time_to_first_token_seconds=None if g.first_token_at is None else g.first_token_at - g.arrival,
+            mean_step_seconds=g.decode_seconds / g.decode_tokens if g.decode_tokens else None,
+            total_seconds=end - g.arrival,
+        )
+
+    def complete(self, deltas: list[Delta], n: int) -> ChatCompletion | Completion:
+        texts = ["" for _ in range(n)]
+        finish: list[str] = ["abort"] * n
+        for delta in deltas:
+            texts[delta.index] += delta.text
+            if delta.finish_reason is not None:
+                finish[delta.index] = delta.finish_reason
+        if self.chat:
+            choices = [ChatChoice(index=i, message=ChatMessageOut(content=texts[i]), finish_reason=finish[i])
+                       for i in range(n)]
+            return ChatCompletion(**self.common, created=self.created, choices=choices, usage=self.usage(),
+                                  timing=self.timing())
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finish[i]) for i in range(n)]
+        return Completion(**self.common, created=self.created, choices=choices, usage=self.usage(),
+                          timing=self.timing())
+
+    async def sse(
+        self, first: Delta, rest: AsyncGenerator[Delta, None], n: int, include_usage: bool
+    ) -> AsyncGenerator[bytes, None]:
+        """Role chunks (chat), then one chunk per delta, the usage chunk if asked, `[DONE]`."""
+        async with closing(rest):
+            try:
+                if self.chat:
+                    yield self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
+                                       for i in range(n)])
+                yield self._delta_chunk(first)
+                async for delta in rest:
+                    yield self._delta_chunk(delta)
+            except (APIError, EngineError, GenerationFailed) as error:
+                message = error.message if isinstance(error, APIError) else f"generation failed: {error}"
+                yield _sse({"error": {"message": message, "type": SERVER_ERROR, "param": None, "code": None}})
+                return
+        if include_usage:
+            yield self._chunk([], usage=self.usage(), timing=self.timing())
+        yield SSE_DONE
+
+    def _delta_chunk(self, delta: Delta) -> bytes:
+        if self.chat:
+            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            return self._chunk([ChatChunkChoice(index=delta.index, delta=content,
+                                                finish_reason=delta.finish_reason)])
+        return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason)])
+
+    def _chunk(self, choices: list, **extra) -> bytes:
+        kind = ChatCompletionChunk if self.chat else Completion
+        return b"data: " + kind(**self.common, created=self.created, choices=choices, **extra).model_dump_json(
+        ).encode() + b"\n\n"
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
