@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from megaserve.replicas.models.demo import BOS_TOKEN, EOT_TOKEN, END_OF_TEXT_TOKEN, build_demo_tokenizer, write_tokenizer_files
+from megaserve.replicas.models.demo import (
+    BOS_TOKEN,
+    END_OF_TEXT_TOKEN,
+    EOT_TOKEN,
+    build_demo_tokenizer,
+    write_tokenizer_files,
+)
 
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 TINY_SHAPE = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 from transformers import AutoTokenizer
@@ -29,11 +30,12 @@ CONVERSATION = [
     {"role": "assistant", "content": "Hello."},
     {"role": "user", "content": "中文?"},
 ]
-# Relies on trim_blocks / lstrip_blocks (block tags on their own indented lines leave no
+# Relies on strftime_now, trim_blocks / lstrip_blocks (block tags on their own indented lines leave no
 # whitespace), loop controls, namespace, tojson with non-ASCII text, eos_token, tools and the
 # {% generation %} tag, each as transformers renders them.
 RICH_TEMPLATE = """\
 {% set ns = namespace(turns=0) %}
+Year {{ strftime_now('%Y') }}.
 {% if tools %}
     Tools: {{ tools | tojson }}
 {% endif %}
@@ -97,7 +99,7 @@ def test_template_from_chat_template_file_matches_transformers(demo_dir, tmp_pat
         text = ours.apply_chat_template(CONVERSATION, tools=tools)
         assert text == theirs.apply_chat_template(CONVERSATION, tools=tools, tokenize=False, add_generation_prompt=True)
     # lstrip_blocks strips indentation before block tags only; text lines keep theirs.
-    assert text.startswith('    Tools: [{"type": "function", "function": {"name": "météo"')
+    assert text.startswith(f'Year {datetime.now().year}.\n    Tools: [{{"type": "function", "function": {{"name": "météo"')
     assert text.endswith('    [3] user: "中文?"\n    assistant:\n') and "\nHello.<|eot_id|>\n" in text
 
 

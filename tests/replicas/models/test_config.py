@@ -85,7 +85,8 @@ def test_qwen3_config():
 
 def test_transformers5_keys_read_like_classic_ones():
     """transformers 5 writes rope_parameters (with rope_theta inside) and dtype."""
-    modern = {key: value for key, value in LLAMA31_8B.items() if key not in ("rope_scaling", "rope_theta", "torch_dtype")}
+    classic_keys = ("rope_scaling", "rope_theta", "torch_dtype")
+    modern = {key: value for key, value in LLAMA31_8B.items() if key not in classic_keys}
     modern["rope_parameters"] = {**LLAMA31_8B["rope_scaling"], "rope_theta": 500000.0}
     modern["dtype"] = "bfloat16"
     assert ModelConfig.from_hf_dict(modern) == ModelConfig.from_hf_dict(LLAMA31_8B)
@@ -164,7 +165,8 @@ def test_misshaped_tensor_is_named(checkpoint):
     path, tensors = checkpoint
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:-1]
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*shape \(127, 64\), expected \(128, 64\)"):
+    expected = r"model\.layers\.0\.mlp\.up_proj\.weight.*shape \(127, 64\), expected \(128, 64\)"
+    with pytest.raises(CheckpointError, match=expected):
         load_model(path)
 
 
