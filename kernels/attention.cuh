@@ -1,0 +1,268 @@
+// Decode attention for one new token over the KV cache, split over CTAs flash-decoding style.
+//
+// Work item (g, s): KV head g (with its `group` query heads, GQA) over key positions of split s.
+// Each warp runs an online softmax over its share of the split's keys; the CTA merges its warps in
+// shared memory and writes one partial (acc[head_dim], max, sum) per query head; the CTA that
+// finishes a KV head's last split (a counter per KV head) combines all its splits into attn_out.
+// The CTA whose split holds the new position also RMS-norms (Qwen3), rotates and appends the new
+// key and value to the cache first; no CTA reads that position from the cache before then.
+#pragma once
+#include "common.cuh"
+
+namespace megakernel {
+
+constexpr int kMaxSplits = 64;       // partial results per query head
+constexpr int kKvRowBytesPerIter = 1024;  // bytes of one warp's K (and as many of V) loads per iteration
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -cuda::std::numeric_limits<float>::infinity();
+
+// Pointers into one layer's KV cache row of this sequence: [kv_heads, max_seq, head_dim] each.
+struct LayerCache {
+  bf16* k;
+  bf16* v;
+};
+
+template <class S>
+struct AttentionShared {
+  static constexpr int kMergeSlots = kWarps / 2;
+  float q[S::group][S::head_dim];  // the group's query heads, normed and rotated (bf16-exact values)
+  float merge_max[kMergeSlots][S::group];
+  float merge_sum[kMergeSlots][S::group];
+  float merge_acc[kMergeSlots][S::group][S::head_dim];
+  int is_last_split;
+};
+
+// kPerLane consecutive bf16 of a head_dim row (lane's slice) as floats, read from L2.
+template <int kPerLane>
+__device__ __forceinline__ void load_row_slice(const bf16* p, float* out) {
+  static_assert(kPerLane == 2 || kPerLane == 4 || kPerLane == 8, "head_dim must be 64, 128 or 256");
+  if constexpr (kPerLane == 2) {
+    const unsigned raw = __ldcg(reinterpret_cast<const unsigned*>(p));
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
+    out[0] = f.x, out[1] = f.y;
+  } else if constexpr (kPerLane == 4) {
+    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x, out[2 * i + 1] = f.y;
+    }
+  } else {
+    const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x, out[2 * i + 1] = f.y;
+    }
+  }
+}
+
+// One head (a warp): load its raw projection from qkv, RMS-norm it (Qwen3), rotate it (Hugging Face
+// rotate_half: channel d pairs with d + head_dim/2, which sits in lane + 16), rounding to bf16 where
+// the reference does. Returns the lane's slice.
+template <class S>
+__device__ __forceinline__ void prepare_head(const bf16* raw, const bf16* norm_weight, const float* inv_freq,
+                                             int pos, float eps, int lane, float* x) {
+  constexpr int kPerLane = S::head_dim / kWarpSize;
+  constexpr int kHalfLanes = kWarpSize / 2;
+  load_row_slice<kPerLane>(raw + lane * kPerLane, x);
+  if constexpr (S::qk_norm) {
+    float sum_squares = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) sum_squares = fmaf(x[j], x[j], sum_squares);
+    const float inv_rms = rsqrtf(warp_sum(sum_squares) / S::head_dim + eps);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      x[j] = bf16_round(__bfloat162float(norm_weight[lane * kPerLane + j]) * bf16_round(x[j] * inv_rms));
+  }
+  const bool first_half = lane < kHalfLanes;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float partner = __shfl_xor_sync(kFullMask, x[j], kHalfLanes);
+    float sin_a, cos_a;
+    sincosf(static_cast<float>(pos) * inv_freq[(lane % kHalfLanes) * kPerLane + j], &sin_a, &cos_a);
+    const float c = bf16_round(cos_a), s = bf16_round(sin_a);  // the reference's cos/sin are bf16
+    x[j] = bf16_round(first_half ? x[j] * c - partner * s : x[j] * c + partner * s);
+  }
+}
+
+// Online-softmax state of one warp for the group's heads; acc holds the lane's head_dim slice.
+template <class S>
+struct SoftmaxState {
+  static constexpr int kPerLane = S::head_dim / kWarpSize;
+  float max[S::group];
+  float sum[S::group];
+  float acc[S::group][kPerLane];
+
+  __device__ __forceinline__ void reset() {
+#pragma unroll
+    for (int h = 0; h < S::group; ++h) {
+      max[h] = kNegInf, sum[h] = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) acc[h][j] = 0.f;
+    }
+  }
+
+  // Fold another state (max m, sum l, acc slice a) of head h into this one.
+  __device__ __forceinline__ void merge(int h, float m, float l, const float* a) {
+    if (m == kNegInf) return;
+    const float new_max = fmaxf(max[h], m);
+    const float mine = exp2f(max[h] - new_max), theirs = exp2f(m - new_max);
+    sum[h] = sum[h] * mine + l * theirs;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) acc[h][j] = acc[h][j] * mine + a[j] * theirs;
+    max[h] = new_max;
+  }
+};
+
+template <class S>
+__device__ void attention_stage(const bf16* qkv, const LayerCache cache, const bf16* q_norm, const bf16* k_norm,
+                                const float* inv_freq, int pos, int max_seq, float eps, float* partials,
+                                unsigned* split_counters, bf16* attn_out, AttentionShared<S>& sh) {
+  constexpr int G = S::group;
+  constexpr int HD = S::head_dim;
+  constexpr int kPerLane = HD / kWarpSize;
+  constexpr int kKeysPerIter = kKvRowBytesPerIter / (HD * 2);
+  constexpr int kMinKeysPerSplit = kWarps * kKeysPerIter;
+  constexpr int kPartialStride = HD + 2;  // acc[HD], max, sum
+  const float score_scale = rsqrtf(static_cast<float>(HD)) * kLog2e;  // softmax in base 2
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+
+  const int n = pos + 1;  // keys, the new one included
+  int splits = max(1, min(kMaxSplits, static_cast<int>(gridDim.x) / S::kv_heads));
+  splits = min(splits, (n + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+  const int chunk = (n + splits - 1) / splits;
+  splits = (n + chunk - 1) / chunk;  // no empty split
+
+  for (int item = blockIdx.x; item < S::kv_heads * splits; item += gridDim.x) {
+    const int g = item / splits, split = item % splits;
+    const int begin = split * chunk, end = min(n, begin + chunk);
+    const size_t head_offset = static_cast<size_t>(g) * max_seq * HD;
+
+    for (int h = warp; h < G; h += kWarps) {
+      float x[kPerLane];
+      prepare_head<S>(qkv + (g * G + h) * HD, q_norm, inv_freq, pos, eps, lane, x);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) sh.q[h][lane * kPerLane + j] = x[j];
+    }
+    if (end == n && warp == 0) {  // this split owns the new position: append its key and value
+      float k[kPerLane];
+      prepare_head<S>(qkv + S::q_dim + g * HD, k_norm, inv_freq, pos, eps, lane, k);
+      bf16* k_dst = cache.k + head_offset + static_cast<size_t>(pos) * HD + lane * kPerLane;
+      bf16* v_dst = cache.v + head_offset + static_cast<size_t>(pos) * HD + lane * kPerLane;
+      const bf16* v_src = qkv + S::q_dim + S::kv_dim + g * HD + lane * kPerLane;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        k_dst[j] = __float2bfloat16(k[j]);
+        v_dst[j] = __ldcg(v_src + j);
+      }
+    }
+    __syncthreads();
+
+    float q[G][kPerLane];
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) q[h][j] = sh.q[h][lane * kPerLane + j];
+
+    SoftmaxState<S> state;
+    state.reset();
+    for (int t0 = begin + warp * kKeysPerIter; t0 < end; t0 += kWarps * kKeysPerIter) {
+      float k[kKeysPerIter][kPerLane], v[kKeysPerIter][kPerLane];
+#pragma unroll
+      for (int u = 0; u < kKeysPerIter; ++u) {
+        if (t0 + u < end) {
+          const size_t row = head_offset + static_cast<size_t>(t0 + u) * HD + lane * kPerLane;
+          load_row_slice<kPerLane>(cache.k + row, k[u]);
+          load_row_slice<kPerLane>(cache.v + row, v[u]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float score[kKeysPerIter];
+        float new_max = state.max[h];
+#pragma unroll
+        for (int u = 0; u < kKeysPerIter; ++u) {
+          float partial = 0.f;
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) partial = fmaf(q[h][j], k[u][j], partial);
+          score[u] = t0 + u < end ? warp_sum(partial) * score_scale : kNegInf;
+          new_max = fmaxf(new_max, score[u]);
+        }
+        const float correction = exp2f(state.max[h] - new_max);
+        state.sum[h] *= correction;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) state.acc[h][j] *= correction;
+#pragma unroll
+        for (int u = 0; u < kKeysPerIter; ++u) {
+          if (t0 + u < end) {
+            const float p = exp2f(score[u] - new_max);
+            state.sum[h] += p;
+#pragma unroll
+            for (int j = 0; j < kPerLane; ++j) state.acc[h][j] = fmaf(p, v[u][j], state.acc[h][j]);
+          }
+        }
+        state.max[h] = new_max;
+      }
+    }
+
+    // Merge the warps' states pairwise in shared memory; warp 0 ends with the CTA's.
+    for (int active = kWarps / 2; active >= 1; active /= 2) {
+      if (warp >= active && warp < 2 * active) {
+        const int slot = warp - active;
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          if (lane == 0) sh.merge_max[slot][h] = state.max[h], sh.merge_sum[slot][h] = state.sum[h];
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) sh.merge_acc[slot][h][lane * kPerLane + j] = state.acc[h][j];
+        }
+      }
+      __syncthreads();
+      if (warp < active) {
+#pragma unroll
+        for (int h = 0; h < G; ++h)
+          state.merge(h, sh.merge_max[warp][h], sh.merge_sum[warp][h], &sh.merge_acc[warp][h][lane * kPerLane]);
+      }
+      __syncthreads();
+    }
+    if (warp == 0) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float* out = partials + (static_cast<size_t>(g * G + h) * kMaxSplits + split) * kPartialStride;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) out[lane * kPerLane + j] = state.acc[h][j];
+        if (lane == 0) out[HD] = state.max[h], out[HD + 1] = state.sum[h];
+      }
+    }
+
+    // The CTA that completes KV head g's last split combines all of g's splits.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      sh.is_last_split = atomicAdd(&split_counters[g], 1u) == static_cast<unsigned>(splits - 1);
+      __threadfence();
+    }
+    __syncthreads();
+    if (sh.is_last_split) {
+      for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
+        const int head = g * G + idx / HD, d = idx % HD;
+        const float* part = partials + static_cast<size_t>(head) * kMaxSplits * kPartialStride;
+        float global_max = kNegInf;
+        for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, __ldcg(part + s * kPartialStride + HD));
+        float total = 0.f, out = 0.f;
+        for (int s = 0; s < splits; ++s) {
+          const float w = exp2f(__ldcg(part + s * kPartialStride + HD) - global_max);
+          total = fmaf(__ldcg(part + s * kPartialStride + HD + 1), w, total);
+          out = fmaf(__ldcg(part + s * kPartialStride + d), w, out);
+        }
+        attn_out[head * HD + d] = __float2bfloat16(out / total);
+      }
+      if (threadIdx.x == 0) split_counters[g] = 0;
+    }
+    __syncthreads();  // shared q and merge buffers are reused by the next item
+  }
+}
+
+}  // namespace megakernel

@@ -1,0 +1,179 @@
+"""Compile the decode megakernel with NVRTC (through cuda.core) and keep the cubins on disk.
+
+A cache entry is keyed by the hash of every kernel source file, the target arch, the kernel's
+name expression (which carries the model shape and the timing flag), the compiler options and the
+NVRTC version; it holds the cubin and a small JSON record with the mangled symbol and the cubin's
+own hash, so that a truncated or corrupt entry is detected and rebuilt rather than loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import cuda.pathfinder
+from cuda.bindings import nvrtc
+from cuda.core import ObjectCode, Program, ProgramOptions
+
+from .shape import KernelShape
+
+SOURCE_DIR = Path(__file__).resolve().parent
+MAIN_SOURCE = "decode_step.cu"
+SOURCE_SUFFIXES = (".cu", ".cuh")
+CXX_STANDARD = "c++17"
+CACHE_FORMAT = 1  # bump when the layout of an entry changes
+
+
+class KernelBuildError(RuntimeError):
+    """NVRTC refused the kernel source, or the target is not supported."""
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """One instantiation of decode_step, ready to load on a device of `arch`."""
+
+    cubin: bytes
+    name_expression: str  # e.g. megakernel::decode_step<megakernel::ModelShape<...>, false>
+    symbol: str  # its mangled name in the cubin
+    arch: str
+    from_cache: bool
+
+    def object_code(self) -> ObjectCode:
+        return ObjectCode.from_cubin(self.cubin, symbol_mapping={self.name_expression: self.symbol.encode()})
+
+
+def nvrtc_version() -> str:
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelBuildError(f"nvrtcVersion failed: {err}")
+    return f"{major}.{minor}"
+
+
+def supported_archs() -> tuple[str, ...]:
+    """The sm_XY targets this NVRTC can compile for (the 'a' variants exist for sm_90 and up)."""
+    err, count = nvrtc.nvrtcGetNumSupportedArchs()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelBuildError(f"nvrtcGetNumSupportedArchs failed: {err}")
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelBuildError(f"nvrtcGetSupportedArchs failed: {err}")
+    return tuple(f"sm_{arch}" for arch in archs[:count])
+
+
+def arch_for(compute_capability: tuple[int, int]) -> str:
+    """The arch-specific target of a device: sm_90a on Hopper, sm_100a / sm_103a on Blackwell."""
+    major, minor = compute_capability
+    return f"sm_{major}{minor}a"
+
+
+def source_files() -> dict[str, str]:
+    return {
+        path.name: path.read_text()
+        for path in sorted(SOURCE_DIR.iterdir())
+        if path.suffix in SOURCE_SUFFIXES
+    }
+
+
+def _options(arch: str) -> ProgramOptions:
+    include_dirs = [cuda.pathfinder.find_nvidia_header_directory(lib) for lib in ("cudart", "cccl")]
+    missing = [lib for lib, path in zip(("cudart", "cccl"), include_dirs) if path is None]
+    if missing:
+        raise KernelBuildError(f"CUDA headers not found for {missing}: install cuda-toolkit[cudart,cccl]")
+    return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(SOURCE_DIR), *include_dirs])
+
+
+def cache_key(sources: dict[str, str], arch: str, name_expression: str) -> str:
+    digest = hashlib.sha256()
+    for name, text in sorted(sources.items()):
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
+    for part in (arch, name_expression, CXX_STANDARD, nvrtc_version(), str(CACHE_FORMAT)):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+class KernelCache:
+    """Compiled decode-step kernels in `directory` (created on first use)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    def decode_step(self, shape: KernelShape, arch: str, timing: bool = False) -> CompiledKernel:
+        """The cubin of decode_step for `shape` on `arch`, from the cache or freshly compiled."""
+        if arch not in supported_archs() and arch.rstrip("a") not in supported_archs():
+            raise KernelBuildError(f"NVRTC {nvrtc_version()} cannot compile for {arch}; it supports {supported_archs()}")
+        name_expression = shape.kernel_name(timing)
+        sources = source_files()
+        key = cache_key(sources, arch, name_expression)
+        cached = self._read(key, name_expression, arch)
+        if cached is not None:
+            return cached
+        compiled = compile_source(sources[MAIN_SOURCE], arch, name_expression)
+        self._write(key, compiled)
+        return compiled
+
+    def _paths(self, key: str) -> tuple[Path, Path]:
+        return self.directory / f"{key}.cubin", self.directory / f"{key}.json"
+
+    def _read(self, key: str, name_expression: str, arch: str) -> CompiledKernel | None:
+        cubin_path, record_path = self._paths(key)
+        try:
+            record = json.loads(record_path.read_text())
+            cubin = cubin_path.read_bytes()
+        except (OSError, ValueError):
+            return None
+        if (
+            not isinstance(record, dict)
+            or record.get("sha256") != hashlib.sha256(cubin).hexdigest()
+            or record.get("name_expression") != name_expression
+            or not isinstance(record.get("symbol"), str)
+        ):
+            return None  # corrupt or foreign entry: rebuild over it
+        return CompiledKernel(cubin, name_expression, record["symbol"], arch, from_cache=True)
+
+    def _write(self, key: str, compiled: CompiledKernel) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        cubin_path, record_path = self._paths(key)
+        record = {
+            "name_expression": compiled.name_expression,
+            "symbol": compiled.symbol,
+            "arch": compiled.arch,
+            "sha256": hashlib.sha256(compiled.cubin).hexdigest(),
+        }
+        # The cubin goes first and the record last, each by an atomic rename: a reader never sees
+        # a record whose cubin is incomplete.
+        _write_atomic(cubin_path, compiled.cubin)
+        _write_atomic(record_path, json.dumps(record).encode())
+
+
+def compile_source(source: str, arch: str, name_expression: str) -> CompiledKernel:
+    """Run NVRTC on `source` for `arch` and instantiate `name_expression`."""
+    program = Program(source, code_type="c++", options=_options(arch))
+    try:
+        object_code = program.compile("cubin", name_expressions=(name_expression,))
+    except Exception as error:  # cuda.core raises its NVRTCError with the compiler log
+        raise KernelBuildError(f"NVRTC failed to compile {name_expression} for {arch}:\n{error}") from error
+    finally:
+        program.close()
+    symbol = object_code.symbol_mapping[name_expression]
+    return CompiledKernel(
+        cubin=bytes(object_code.code),
+        name_expression=name_expression,
+        symbol=symbol.decode() if isinstance(symbol, bytes) else symbol,
+        arch=arch,
+        from_cache=False,
+    )
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,130 @@
+// Shared device helpers of the decode megakernel: bf16 vectors, loads with the right cache policy,
+// warp/block reductions, the grid-wide barrier and the stage timer.
+#pragma once
+#include <cuda/std/limits>
+#include <cuda_bf16.h>
+
+namespace megakernel {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kWarpSize = 32;
+constexpr int kThreads = 512;  // one CTA per SM; 16 warps keep ~64 KB of weight loads in flight
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kVecElems = 8;  // bf16 per 16-byte load
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr unsigned kBarrierFlipBit = 0x80000000u;
+
+// Weights are read exactly once per step: stream them past L1 through the non-coherent path.
+__device__ __forceinline__ uint4 load_weights16(const bf16* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// Activations are written by other CTAs earlier in the same launch: read them from L2 (never a
+// possibly stale L1 line, never the non-coherent path).
+__device__ __forceinline__ uint4 load_activations16(const bf16* p) {
+  return __ldcg(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// dot of 8 bf16 weights with 8 bf16 activations, fp32 accumulation
+__device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
+  const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+  const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 wf = __bfloat1622float2(w2[i]);
+    const float2 xf = __bfloat1622float2(x2[i]);
+    acc = fmaf(wf.x, xf.x, acc);
+    acc = fmaf(wf.y, xf.y, acc);
+  }
+  return acc;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const unsigned long long other = __shfl_xor_sync(kFullMask, v, offset);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+// Sum over the CTA; every thread gets the total. scratch: [kWarps] floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  __syncthreads();  // scratch may be reused at once
+  return total;
+}
+
+// Grid-wide barrier on one zero-initialised counter in global memory. Every CTA adds 1 except CTA 0,
+// which adds 2^31 - (grid - 1): the counter's top bit flips exactly when the last CTA arrives and its
+// low bits return to zero, so the same counter serves every barrier of every launch without a reset.
+// Needs all CTAs co-resident (cooperative launch).
+__device__ __forceinline__ void grid_barrier(unsigned* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned arrive = blockIdx.x == 0 ? kBarrierFlipBit - (gridDim.x - 1) : 1u;
+    __threadfence();
+    const unsigned before = atomicAdd(counter, arrive);
+    unsigned now;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+    } while (((before ^ now) & kBarrierFlipBit) == 0);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Per-stage timestamps, written by CTA 0 after each grid barrier; compiles to nothing when off.
+template <bool kEnabled>
+struct StageTimer {
+  unsigned long long* stamps;
+  int next = 0;
+  __device__ __forceinline__ void mark() {
+    if constexpr (kEnabled) {
+      if (blockIdx.x == 0 && threadIdx.x == 0) stamps[next] = global_timer_ns();
+      ++next;
+    }
+  }
+};
+
+// A float that orders like its value as an unsigned integer (for max-reductions on packed keys).
+__device__ __forceinline__ unsigned orderable(float f) {
+  const unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// (logit, index) packed so that a larger key is a larger logit, ties going to the smaller index
+// (torch.argmax returns the first maximum).
+__device__ __forceinline__ unsigned long long argmax_key(float logit, int index) {
+  return (static_cast<unsigned long long>(orderable(logit)) << 32) | (0xffffffffu - static_cast<unsigned>(index));
+}
+
+__device__ __forceinline__ int argmax_key_index(unsigned long long key) {
+  return static_cast<int>(0xffffffffu - static_cast<unsigned>(key & 0xffffffffu));
+}
+
+}  // namespace megakernel

@@ -1,0 +1,218 @@
+// The batch-1 decode megakernel: one persistent cooperative launch runs a whole decode step of a
+// Llama 3 / Qwen3 dense model, from the embedding lookup to the greedy argmax.
+//
+// Per layer, five stages separated by grid barriers (every stage needs all of the previous one):
+//   1. RMSNorm (recomputed per CTA into shared memory) + QKV GEMV           -> qkv
+//   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention + combine -> attn_out
+//   3. O-proj GEMV + residual                                               -> hidden
+//   4. RMSNorm + gate/up GEMV + SiLU * up                                   -> mlp_act
+//   5. down GEMV + residual                                                 -> hidden
+// then final RMSNorm + LM head (logits out, for a sampler) + argmax: block partials, and the last
+// CTA to finish reduces them and advances the step state. Position and input token are read from
+// device memory, so one captured CUDA graph of this launch replays for every step.
+#include "attention.cuh"
+#include "common.cuh"
+#include "gemv.cuh"
+
+namespace megakernel {
+
+// Model dimensions as compile-time constants: every loop bound and buffer size below is static.
+template <int kHidden, int kHeads, int kKvHeads, int kHeadDim, int kIntermediate, int kVocab, int kLayers,
+          bool kQkNorm>
+struct ModelShape {
+  static constexpr int hidden = kHidden;
+  static constexpr int heads = kHeads;
+  static constexpr int kv_heads = kKvHeads;
+  static constexpr int head_dim = kHeadDim;
+  static constexpr int intermediate = kIntermediate;
+  static constexpr int vocab = kVocab;
+  static constexpr int layers = kLayers;
+  static constexpr bool qk_norm = kQkNorm;
+  static constexpr int group = kHeads / kKvHeads;
+  static constexpr int q_dim = kHeads * kHeadDim;
+  static constexpr int kv_dim = kKvHeads * kHeadDim;
+  static constexpr int qkv_dim = q_dim + 2 * kv_dim;
+  static constexpr int max_input = kHidden > kIntermediate ? (kHidden > q_dim ? kHidden : q_dim)
+                                                           : (kIntermediate > q_dim ? kIntermediate : q_dim);
+  static_assert(kHeads % kKvHeads == 0, "heads must be a multiple of kv_heads");
+  static_assert(kHidden % kVecElems == 0 && kIntermediate % kVecElems == 0, "dims must be multiples of 8");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
+};
+
+// Step state in device memory (int32 each).
+enum StateSlot { kStateToken = 0, kStatePos = 1, kStateArgmax = 2, kStateSlots = 4 };
+// Counters in device memory (uint32, zero-initialised once).
+enum CounterSlot { kCounterBarrier = 0, kCounterArgmaxDone = 1, kCounterSplits = 2 };
+
+// One layer's weights (row-major bf16) and KV cache row, as a table in device memory.
+struct LayerWeights {
+  const bf16* attn_norm;  // [H]
+  const bf16* wq;         // [heads * head_dim, H]
+  const bf16* wk;         // [kv_heads * head_dim, H]
+  const bf16* wv;         // [kv_heads * head_dim, H]
+  const bf16* q_norm;     // [head_dim] (Qwen3) or null
+  const bf16* k_norm;     // [head_dim] (Qwen3) or null
+  const bf16* wo;         // [H, heads * head_dim]
+  const bf16* mlp_norm;   // [H]
+  const bf16* w_gate;     // [I, H]
+  const bf16* w_up;       // [I, H]
+  const bf16* w_down;     // [H, I]
+  bf16* k_cache;          // [kv_heads, max_seq, head_dim] of this sequence's cache row
+  bf16* v_cache;
+};
+
+template <class S>
+struct SharedStorage {
+  union {
+    alignas(16) bf16 x[S::max_input];  // the GEMV input vector of the current stage
+    AttentionShared<S> attention;
+  };
+  float reduce[kWarps];
+  unsigned long long best[kWarps];
+};
+
+constexpr int kStaticSharedLimit = 48 * 1024;
+
+template <class S, bool kTiming>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_step(const LayerWeights* __restrict__ layers, const bf16* __restrict__ embed,
+                const bf16* __restrict__ final_norm, const bf16* __restrict__ lm_head,
+                const float* __restrict__ rope_inv_freq, int* state, unsigned* counters, bf16* hidden, bf16* qkv,
+                bf16* attn_out, bf16* mlp_act, float* attn_partials, float* logits,
+                unsigned long long* argmax_partials, unsigned long long* stage_stamps, float rms_eps, int max_seq,
+                int greedy) {
+  static_assert(sizeof(SharedStorage<S>) <= kStaticSharedLimit, "shape needs more than 48 KB of shared memory");
+  __shared__ SharedStorage<S> sh;
+  StageTimer<kTiming> timer{stage_stamps};
+  timer.mark();
+
+  const int token = __ldcg(state + kStateToken);
+  const int pos = __ldcg(state + kStatePos);
+  const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
+  unsigned* barrier = counters + kCounterBarrier;
+
+  for (int l = 0; l < S::layers; ++l) {
+    const LayerWeights w = layers[l];
+    const bf16* residual = l == 0 ? embed_row : hidden;  // layer 0 reads the embedding in place
+
+    rms_norm_to_shared<S::hidden>(residual, w.attn_norm, rms_eps, sh.x, sh.reduce);
+    gemv_row_pairs<S::hidden>(
+        S::qkv_dim / 2, sh.x,
+        [&](int p) {
+          const int r = 2 * p;  // q_dim and kv_dim are even: a pair never straddles two matrices
+          const bf16* base = r < S::q_dim                ? w.wq + static_cast<size_t>(r) * S::hidden
+                             : r < S::q_dim + S::kv_dim ? w.wk + static_cast<size_t>(r - S::q_dim) * S::hidden
+                                                         : w.wv + static_cast<size_t>(r - S::q_dim - S::kv_dim) * S::hidden;
+          return RowPair{base, base + S::hidden};
+        },
+        [&](int p, float d0, float d1) {
+          reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
+        });
+    grid_barrier(barrier);
+    timer.mark();
+
+    attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, rope_inv_freq, pos, max_seq,
+                       rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention);
+    grid_barrier(barrier);
+    timer.mark();
+
+    stage_to_shared<S::q_dim>(attn_out, sh.x);
+    gemv_row_pairs<S::q_dim>(
+        S::hidden / 2, sh.x,
+        [&](int p) {
+          const bf16* base = w.wo + static_cast<size_t>(2 * p) * S::q_dim;
+          return RowPair{base, base + S::q_dim};
+        },
+        [&](int p, float d0, float d1) {
+          const float2 res = __bfloat1622float2(__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p));
+          reinterpret_cast<__nv_bfloat162*>(hidden)[p] =
+              __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
+        });
+    grid_barrier(barrier);
+    timer.mark();
+
+    rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
+    gemv_row_pairs<S::hidden>(
+        S::intermediate, sh.x,
+        [&](int i) {
+          const size_t row = static_cast<size_t>(i) * S::hidden;
+          return RowPair{w.w_gate + row, w.w_up + row};
+        },
+        [&](int i, float gate, float up) {
+          const float g = bf16_round(gate);
+          const float silu = bf16_round(g / (1.f + __expf(-g)));
+          mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
+        });
+    grid_barrier(barrier);
+    timer.mark();
+
+    stage_to_shared<S::intermediate>(mlp_act, sh.x);
+    gemv_row_pairs<S::intermediate>(
+        S::hidden / 2, sh.x,
+        [&](int p) {
+          const bf16* base = w.w_down + static_cast<size_t>(2 * p) * S::intermediate;
+          return RowPair{base, base + S::intermediate};
+        },
+        [&](int p, float d0, float d1) {
+          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(hidden) + p;
+          const float2 res = __bfloat1622float2(__ldcg(h));
+          *h = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
+        });
+    grid_barrier(barrier);
+    timer.mark();
+  }
+
+  // Final norm + LM head; logits rounded to bf16 as the reference's bf16 matmul does, so that the
+  // argmax (first maximum on ties) matches it.
+  rms_norm_to_shared<S::hidden>(hidden, final_norm, rms_eps, sh.x, sh.reduce);
+  unsigned long long best = 0;
+  gemv_row_pairs<S::hidden>(
+      (S::vocab + 1) / 2, sh.x,
+      [&](int p) {
+        const int r0 = 2 * p, r1 = min(2 * p + 1, S::vocab - 1);  // an odd vocab repeats its last row
+        return RowPair{lm_head + static_cast<size_t>(r0) * S::hidden, lm_head + static_cast<size_t>(r1) * S::hidden};
+      },
+      [&](int p, float d0, float d1) {
+        const float l0 = bf16_round(d0), l1 = bf16_round(d1);
+        logits[2 * p] = l0;
+        const unsigned long long k0 = argmax_key(l0, 2 * p);
+        best = k0 > best ? k0 : best;
+        if (2 * p + 1 < S::vocab) {
+          logits[2 * p + 1] = l1;
+          const unsigned long long k1 = argmax_key(l1, 2 * p + 1);
+          best = k1 > best ? k1 : best;
+        }
+      });
+  // Lane 0 of each warp holds its warp's best; reduce over the CTA, then over the grid.
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  if (lane == 0) sh.best[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long block_best = 0;
+    for (int i = 0; i < kWarps; ++i) block_best = sh.best[i] > block_best ? sh.best[i] : block_best;
+    argmax_partials[blockIdx.x] = block_best;
+    __threadfence();
+    const bool last = atomicAdd(counters + kCounterArgmaxDone, 1u) == gridDim.x - 1;
+    sh.reduce[0] = last ? 1.f : 0.f;
+    __threadfence();
+  }
+  __syncthreads();
+  if (sh.reduce[0] != 0.f && warp == 0) {  // the last CTA: every other CTA has read token and pos
+    unsigned long long grid_best = 0;
+    for (int i = lane; i < static_cast<int>(gridDim.x); i += kWarpSize) {
+      const unsigned long long k = __ldcg(argmax_partials + i);
+      grid_best = k > grid_best ? k : grid_best;
+    }
+    grid_best = warp_max(grid_best);
+    if (lane == 0) {
+      const int next = argmax_key_index(grid_best);
+      state[kStateArgmax] = next;
+      if (greedy) state[kStateToken] = next;
+      state[kStatePos] = pos + 1;
+      counters[kCounterArgmaxDone] = 0;
+      if constexpr (kTiming) stage_stamps[timer.next] = global_timer_ns();
+    }
+  }
+}
+
+}  // namespace megakernel

@@ -1,0 +1,225 @@
+"""Bind the compiled decode megakernel to one model's weights and one KV-cache row, and launch it.
+
+`DecodeStep` owns the kernel's device buffers (activations, attention partials, logits, counters,
+the step state) and launches one decode step with one cooperative launch on PyTorch's current
+stream, which a `torch.cuda.graph` captures. The step reads its input token and position from
+`state` in device memory and writes the next ones back (the argmax, and position + 1), so a graph
+of one launch replays for every step.
+
+This module knows the model only by duck typing (`DecodeModel` below: the attributes of
+`replicas.models.Model`), because kernels/ may import only torch and cuda-python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from cuda.core import Device, LaunchConfig, launch
+
+from .build import KernelCache, arch_for
+from .shape import THREADS, KernelShape
+
+# decode_step.cu's enums and constants, mirrored.
+STATE_TOKEN, STATE_POS, STATE_ARGMAX, STATE_SLOTS = 0, 1, 2, 4
+COUNTER_SPLITS = 2  # counters: barrier, argmax-done, then one per KV head
+MAX_SPLITS = 64  # kMaxSplits
+STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "gate_up", "down")
+FINAL_STAGE = "lm_head"
+LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+KERNEL_DTYPE = torch.bfloat16
+
+
+class DecodeLayer(Protocol):
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+class DecodeModel(Protocol):
+    config: object  # a ModelConfig (see shape.ShapedConfig); also rms_norm_eps
+    embed: torch.Tensor  # [V, H]
+    layers: Sequence[DecodeLayer]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    rope_inv_freq: torch.Tensor  # [head_dim / 2] float32
+
+
+class DecodeCache(Protocol):
+    k: Sequence[torch.Tensor]  # per layer [max_batch, kv_heads, max_seq, head_dim]
+    v: Sequence[torch.Tensor]
+    max_seq: int
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds spent in each stage kind of one step (summed over layers), from in-kernel timestamps."""
+
+    seconds: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+class DecodeStep:
+    """One decode step of `model` over row `slot` of `cache` as a single megakernel launch."""
+
+    def __init__(
+        self,
+        model: DecodeModel,
+        cache: DecodeCache,
+        slot: int,
+        kernel_cache: KernelCache,
+        timing: bool = False,
+    ) -> None:
+        self.shape = KernelShape.from_config(model.config)
+        self.device = model.embed.device
+        if self.device.type != "cuda":
+            raise ValueError(f"the megakernel runs on CUDA devices; the model is on {self.device}")
+        self.max_seq = cache.max_seq
+        self.timing = timing
+        _check_weights(model, self.shape)
+        self._layer_table = self._build_layer_table(model, cache, slot)
+        self._model = model  # keeps the weights alive while the kernel holds their addresses
+        self._cache = cache
+
+        cuda_device = Device(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        cuda_device.set_current()
+        compiled = kernel_cache.decode_step(self.shape, arch_for(cuda_device.compute_capability), timing)
+        self.from_cache = compiled.from_cache
+        self._kernel = compiled.object_code().get_kernel(compiled.name_expression)
+        blocks_per_sm = self._kernel.occupancy.max_active_blocks_per_multiprocessor(THREADS, 0)
+        if blocks_per_sm < 1:
+            raise RuntimeError(f"the megakernel for {self.shape} cannot fit one CTA of {THREADS} threads on an SM")
+        self.grid = cuda_device.properties.multiprocessor_count  # one persistent CTA per SM
+        self._config = LaunchConfig(grid=self.grid, block=THREADS, is_cooperative=True)
+        self._cuda_device = cuda_device
+        self._streams: dict[int, object] = {}
+
+        shape, dev = self.shape, self.device
+        self.state = torch.zeros(STATE_SLOTS, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(COUNTER_SPLITS + shape.kv_heads, dtype=torch.int32, device=dev)
+        self.hidden = torch.empty(shape.hidden, dtype=KERNEL_DTYPE, device=dev)
+        self.qkv = torch.empty(shape.q_dim + 2 * shape.kv_dim, dtype=KERNEL_DTYPE, device=dev)
+        self.attn_out = torch.empty(shape.q_dim, dtype=KERNEL_DTYPE, device=dev)
+        self.mlp_act = torch.empty(shape.intermediate, dtype=KERNEL_DTYPE, device=dev)
+        self.attn_partials = torch.empty(shape.heads * MAX_SPLITS * (shape.head_dim + 2), dtype=torch.float32, device=dev)
+        self.logits = torch.empty(shape.vocab, dtype=torch.float32, device=dev)  # [V], bf16-exact values
+        self.argmax_partials = torch.empty(self.grid, dtype=torch.int64, device=dev)
+        self.stage_stamps = torch.zeros(2 + len(STAGES_PER_LAYER) * shape.layers, dtype=torch.int64, device=dev)
+        self._eps = np.float32(model.config.rms_norm_eps)
+
+    def _build_layer_table(self, model: DecodeModel, cache: DecodeCache, slot: int) -> torch.Tensor:
+        """[layers, 13] int64 device table of LayerWeights (decode_step.cu): weight and cache-row addresses."""
+        if not 0 <= slot < cache.k[0].shape[0]:
+            raise ValueError(f"slot {slot} is outside the cache's {cache.k[0].shape[0]} rows")
+        rows = []
+        for index, (layer, k, v) in enumerate(zip(model.layers, cache.k, cache.v, strict=True)):
+            for name, tensor in (("k", k), ("v", v)):
+                expected = (self.shape.kv_heads, cache.max_seq, self.shape.head_dim)
+                if tensor.dtype != KERNEL_DTYPE or not tensor.is_contiguous() or tuple(tensor.shape[1:]) != expected:
+                    raise ValueError(
+                        f"cache.{name}[{index}] must be a contiguous {KERNEL_DTYPE} [max_batch, {expected}] tensor, "
+                        f"got {tensor.dtype} {tuple(tensor.shape)}"
+                    )
+            pointers = [_address(getattr(layer, field)) for field in LAYER_FIELDS]
+            pointers += [k[slot].data_ptr(), v[slot].data_ptr()]
+            rows.append(pointers)
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+
+    def set_position(self, token: int, pos: int) -> None:
+        """Make the next launch decode `token` at position `pos` (its key/value land at cache[pos])."""
+        if not 0 <= token < self.shape.vocab:
+            raise ValueError(f"token {token} is outside the vocabulary of {self.shape.vocab}")
+        if not 0 <= pos < self.max_seq:
+            raise ValueError(f"position {pos} is outside the cache's {self.max_seq} positions")
+        self.state[STATE_TOKEN] = token
+        self.state[STATE_POS] = pos
+
+    def launch(self, greedy: bool = True) -> None:
+        """Enqueue one decode step on the current stream. Afterwards `state` holds the argmax (and,
+        when greedy, it as the next input token) and position + 1; `logits` holds the logits."""
+        stream = self._stream()
+        launch(
+            stream, self._config, self._kernel,
+            self._layer_table.data_ptr(), self._model.embed.data_ptr(), self._model.final_norm.data_ptr(),
+            self._model.lm_head.data_ptr(), self._model.rope_inv_freq.data_ptr(),
+            self.state.data_ptr(), self.counters.data_ptr(), self.hidden.data_ptr(), self.qkv.data_ptr(),
+            self.attn_out.data_ptr(), self.mlp_act.data_ptr(), self.attn_partials.data_ptr(),
+            self.logits.data_ptr(), self.argmax_partials.data_ptr(), self.stage_stamps.data_ptr(),
+            self._eps, np.int32(self.max_seq), np.int32(1 if greedy else 0),
+        )
+
+    def _stream(self):
+        torch_stream = torch.cuda.current_stream(self.device)
+        key = torch_stream.cuda_stream
+        if key not in self._streams:
+            self._streams[key] = self._cuda_device.create_stream(torch_stream)
+        return self._streams[key]
+
+    @property
+    def next_token(self) -> torch.Tensor:
+        """The argmax of the last step, on the device (int32 scalar view)."""
+        return self.state[STATE_ARGMAX]
+
+    @property
+    def token_slot(self) -> torch.Tensor:
+        """The input token of the next step, on the device (a sampler writes here)."""
+        return self.state[STATE_TOKEN]
+
+    def stage_times(self) -> StageTimes:
+        """Per-stage time of the last launch (needs timing=True); synchronizes."""
+        if not self.timing:
+            raise RuntimeError("this DecodeStep was built without timing; pass timing=True")
+        stamps = self.stage_stamps.cpu().tolist()
+        seconds = dict.fromkeys((*STAGES_PER_LAYER, FINAL_STAGE), 0.0)
+        for index in range(len(stamps) - 2):
+            kind = STAGES_PER_LAYER[index % len(STAGES_PER_LAYER)]
+            seconds[kind] += (stamps[index + 1] - stamps[index]) * 1e-9
+        seconds[FINAL_STAGE] = (stamps[-1] - stamps[-2]) * 1e-9
+        return StageTimes(seconds)
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def _check_weights(model: DecodeModel, shape: KernelShape) -> None:
+    """Every weight the kernel reads must be a contiguous bf16 tensor of the expected shape."""
+    expected = {
+        "embed": (model.embed, (shape.vocab, shape.hidden)),
+        "final_norm": (model.final_norm, (shape.hidden,)),
+        "lm_head": (model.lm_head, (shape.vocab, shape.hidden)),
+    }
+    layer_shapes = {
+        "attn_norm": (shape.hidden,), "wq": (shape.q_dim, shape.hidden), "wk": (shape.kv_dim, shape.hidden),
+        "wv": (shape.kv_dim, shape.hidden), "wo": (shape.hidden, shape.q_dim), "mlp_norm": (shape.hidden,),
+        "w_gate": (shape.intermediate, shape.hidden), "w_up": (shape.intermediate, shape.hidden),
+        "w_down": (shape.hidden, shape.intermediate),
+    }
+    if shape.qk_norm:
+        layer_shapes |= {"q_norm": (shape.head_dim,), "k_norm": (shape.head_dim,)}
+    if len(model.layers) != shape.layers:
+        raise ValueError(f"the model has {len(model.layers)} layers, its config {shape.layers}")
+    for index, layer in enumerate(model.layers):
+        expected |= {f"layers[{index}].{name}": (getattr(layer, name), dims) for name, dims in layer_shapes.items()}
+    for name, (tensor, dims) in expected.items():
+        if tensor is None or tensor.dtype != KERNEL_DTYPE or tuple(tensor.shape) != dims or not tensor.is_contiguous():
+            got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
+            raise ValueError(f"model.{name} must be a contiguous {KERNEL_DTYPE} tensor of shape {dims}, got {got}")
+    inv_freq = model.rope_inv_freq
+    if inv_freq.dtype != torch.float32 or tuple(inv_freq.shape) != (shape.head_dim // 2,):
+        raise ValueError(f"model.rope_inv_freq must be float32 [{shape.head_dim // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}")

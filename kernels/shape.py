@@ -1,0 +1,120 @@
+"""Which model shapes the decode megakernel supports, and the template arguments that specialize it.
+
+The kernel takes every model dimension as a compile-time constant (`megakernel::ModelShape<...>` in
+decode_step.cu). `KernelShape` mirrors that template, checks the kernel's static limits up front so
+that an unsupported model gets a clear error instead of a compiler message, and renders the
+instantiation's name expression.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+# Limits of decode_step.cu (keep in step with its constants).
+THREADS = 512  # kThreads
+WARPS = THREADS // 32
+VEC_ELEMS = 8  # bf16 per 16-byte load
+HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
+STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
+SHARED_RESERVED = WARPS * (4 + 8)  # the reduce and best arrays beside the union
+FLOAT_BYTES = 4
+BF16_BYTES = 2
+KERNEL_NAME = "megakernel::decode_step"
+SHAPE_TEMPLATE = "megakernel::ModelShape"
+
+
+class UnsupportedShapeError(ValueError):
+    """The model's shape is outside what the megakernel is written for."""
+
+
+class ShapedConfig(Protocol):
+    """The fields of `replicas.models.ModelConfig` that the kernel needs."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_layers: int
+    qk_norm: bool
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    layers: int
+    qk_norm: bool
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "layers"):
+            if getattr(self, name) < 1:
+                raise UnsupportedShapeError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heads % self.kv_heads:
+            raise UnsupportedShapeError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim not in HEAD_DIMS:
+            raise UnsupportedShapeError(f"head_dim {self.head_dim} is not supported; the kernel handles {HEAD_DIMS}")
+        for name in ("hidden", "intermediate"):
+            if getattr(self, name) % VEC_ELEMS:
+                raise UnsupportedShapeError(
+                    f"{name} ({getattr(self, name)}) must be a multiple of {VEC_ELEMS} (16-byte weight loads)"
+                )
+        if self.shared_bytes > STATIC_SHARED_LIMIT:
+            raise UnsupportedShapeError(
+                f"this shape needs {self.shared_bytes} bytes of shared memory per CTA, over the kernel's "
+                f"{STATIC_SHARED_LIMIT}: the largest GEMV input is {self.max_input} elements and the "
+                f"attention group {self.group} x head_dim {self.head_dim}"
+            )
+
+    @classmethod
+    def from_config(cls, config: ShapedConfig) -> KernelShape:
+        return cls(
+            hidden=config.hidden_size,
+            heads=config.num_heads,
+            kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            layers=config.num_layers,
+            qk_norm=config.qk_norm,
+        )
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def max_input(self) -> int:
+        return max(self.hidden, self.intermediate, self.q_dim)
+
+    @property
+    def shared_bytes(self) -> int:
+        """SharedStorage<S> of decode_step.cu: max(GEMV input, attention buffers) + reductions."""
+        group_elems = self.group * self.head_dim
+        merge_slots = WARPS // 2
+        attention = FLOAT_BYTES * (group_elems + merge_slots * (group_elems + 2 * self.group)) + FLOAT_BYTES
+        return max(BF16_BYTES * self.max_input, attention) + SHARED_RESERVED
+
+    @property
+    def template_args(self) -> str:
+        qk_norm = "true" if self.qk_norm else "false"
+        dims = (self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate, self.vocab, self.layers)
+        return f"{SHAPE_TEMPLATE}<{', '.join(map(str, dims))}, {qk_norm}>"
+
+    def kernel_name(self, timing: bool) -> str:
+        """The name expression of decode_step's instantiation for this shape."""
+        return f"{KERNEL_NAME}<{self.template_args}, {'true' if timing else 'false'}>"

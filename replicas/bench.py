@@ -1,0 +1,315 @@
+"""`megaserve bench`: batch-1 decode on one GPU, the megakernel against stock PyTorch paths.
+
+For each model shape (real configs, random bf16 weights made on the GPU, nothing downloaded) and
+each context length, one run measures:
+
+  megakernel      one persistent launch per step (kernels/), replayed as a one-node CUDA graph
+  eager           the reference forward, op by op from Python
+  cuda-graph      the same ops captured once in a CUDA graph and replayed
+  compile+graph   torch.compile (inductor) of the same step, captured in a CUDA graph
+
+and reports ms/step, tokens/s, kernel launches per step (counted with torch.profiler) and the
+fraction of the HBM roofline: (weight bytes + KV bytes read per step) / step time, over the read
+bandwidth measured in the same run with a large reduction. The megakernel's per-stage breakdown
+comes from its in-kernel timestamps (a second build with timing on; its cost is reported too).
+
+Runs on a bare GPU image: imports only torch, cuda-python and this package's kernels/ and models/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megaserve.kernels.build import KernelCache
+from megaserve.kernels.launcher import DecodeStep
+from megaserve.replicas.models import Model, ModelConfig
+from megaserve.replicas.models.decoder import expected_shapes
+from megaserve.replicas.models.rope import apply_rope, rope_cos_sin
+
+# The shapes of the real checkpoints' config.json (only what ModelConfig reads).
+_LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+BENCH_CONFIGS = {
+    "Llama-3.2-1B": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_SCALING, "factor": 32.0},
+        "max_position_embeddings": 131072, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    },
+    "Llama-3.1-8B": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_SCALING, "factor": 8.0},
+        "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "Qwen3-8B": {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+}
+CONTEXTS = (1024, 8192)
+METHODS = ("megakernel", "eager", "cuda-graph", "compile+graph")
+WEIGHT_STD = 0.02  # like an initializer: keeps activations finite through 36 layers
+NORM_JITTER = 0.1
+CACHE_STD = 1.0
+BANDWIDTH_PROBE_BYTES = 4 << 30  # several times the 60 MB L2
+WARMUP_STEPS = 5
+TIMED_STEPS = 50
+EAGER_TIMED_STEPS = 10
+REPEATS = 3  # median of this many timed blocks
+BF16_BYTES = 2
+
+
+@dataclass
+class Result:
+    model: str
+    context: int
+    method: str
+    ms_per_step: float
+    tokens_per_second: float
+    launches_per_step: int
+    roofline_fraction: float
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    timing_cost_ms: float | None = None
+
+
+def random_model(config: ModelConfig, device: torch.device) -> Model:
+    """A Model of `config` with random bf16 weights created directly on `device`."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    tensors = {}
+    for name, shape in expected_shapes(config).items():
+        tensor = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        if len(shape) == 1:  # a norm weight
+            tensor.normal_(1.0, NORM_JITTER, generator=generator)
+        else:
+            tensor.normal_(0.0, WEIGHT_STD, generator=generator)
+        tensors[name] = tensor
+    return Model(config, tensors)
+
+
+def step_bytes(model: Model, context: int) -> int:
+    """Bytes a decode step must read at `context` keys: every weight once (the embedding only its
+    row, unless it is also the LM head) plus the whole K and V of the context."""
+    config = model.config
+    weights = sum(t.numel() for layer in model.layers for t in vars(layer).values() if t is not None)
+    weights += model.lm_head.numel() + model.final_norm.numel()
+    kv = 2 * config.num_layers * config.num_kv_heads * context * config.head_dim
+    return (weights + kv) * BF16_BYTES
+
+
+def read_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large reduction over a buffer far larger than L2."""
+    data = torch.empty(BANDWIDTH_PROBE_BYTES // BF16_BYTES, dtype=torch.bfloat16, device=device).normal_()
+    seconds = time_steps(lambda: data.sum(), TIMED_STEPS // 5)
+    del data
+    return BANDWIDTH_PROBE_BYTES / seconds
+
+
+def time_steps(step: Callable[[], object], count: int) -> float:
+    """Median seconds per call of `step` over REPEATS blocks of `count` calls, timed with events."""
+    for _ in range(WARMUP_STEPS):
+        step()
+    samples = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            step()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / count)
+    return statistics.median(samples)
+
+
+def count_launches(step: Callable[[], object]) -> int:
+    """Kernels one call of `step` puts on the GPU, counted by the profiler (graph nodes included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernel_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and not e.name.lower().startswith(("memcpy", "memset"))]
+    return len(kernel_events)
+
+
+def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (allocator, autotuning, lazy init) outside the graph
+        for _ in range(WARMUP_STEPS):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def static_forward(model: Model, cache, context: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The reference decode step for one token with the cache view fixed at `context` + 1 keys, so
+    that it needs no host sync (the reference reads positions.max()) and a CUDA graph can hold it.
+    Same ops as Model.forward: RMSNorm, projections, RoPE, SDPA with a causal mask, SwiGLU."""
+    config = model.config
+    slots = torch.zeros(1, dtype=torch.long, device=model.device)
+    keys = torch.arange(context + 1, device=model.device)
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [1, 1] each
+        mask = keys <= positions[:, None, :, None]
+        cos, sin = rope_cos_sin(model.rope_inv_freq, positions, model.dtype)
+        hidden = model.embed[ids]
+        for layer, k_cache, v_cache in zip(model.layers, cache.k, cache.v):
+            x = model._rms_norm(hidden, layer.attn_norm)
+            q = F.linear(x, layer.wq).view(1, 1, config.num_heads, config.head_dim)
+            k = F.linear(x, layer.wk).view(1, 1, config.num_kv_heads, config.head_dim)
+            v = F.linear(x, layer.wv).view(1, 1, config.num_kv_heads, config.head_dim)
+            if config.qk_norm:
+                q, k = model._rms_norm(q, layer.q_norm), model._rms_norm(k, layer.k_norm)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_cache[slots[:, None], :, positions] = k
+            v_cache[slots[:, None], :, positions] = v
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k_cache[:1, :, : context + 1], v_cache[:1, :, : context + 1],
+                attn_mask=mask, scale=config.head_dim**-0.5, enable_gqa=True,
+            )
+            hidden = hidden + F.linear(out.transpose(1, 2).reshape(1, 1, -1), layer.wo)
+            hidden = hidden + model._mlp(layer, model._rms_norm(hidden, layer.mlp_norm))
+        return F.linear(model._rms_norm(hidden, model.final_norm), model.lm_head).float()
+
+    return forward
+
+
+def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...], kernel_cache: KernelCache,
+                bandwidth: float, log: Callable[[str], None]) -> list[Result]:
+    device = torch.device("cuda")
+    config = ModelConfig.from_hf_dict(BENCH_CONFIGS[name])
+    model = random_model(config, device)
+    results = []
+    for context in contexts:
+        max_seq = context + 2 * (WARMUP_STEPS + REPEATS * TIMED_STEPS) + 1
+        cache = model.new_cache(1, max_seq)
+        for tensor in (*cache.k, *cache.v):
+            tensor.normal_(0.0, CACHE_STD)
+        floor_bytes = step_bytes(model, context + 1)
+
+        def record(method: str, seconds: float, launches: int, **extra) -> None:
+            result = Result(name, context, method, seconds * 1e3, 1 / seconds, launches,
+                            floor_bytes / seconds / bandwidth, **extra)
+            results.append(result)
+            log(f"{name} ctx={context} {method}: {result.ms_per_step:.3f} ms/step, {launches} launches, "
+                f"{100 * result.roofline_fraction:.1f}% of roofline")
+
+        if "megakernel" in methods:
+            seconds, launches, stage_ms, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
+            record("megakernel", seconds, launches, stage_ms=stage_ms, timing_cost_ms=timing_cost_ms)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        positions = torch.full((1, 1), context, dtype=torch.long, device=device)
+        slots = torch.zeros(1, dtype=torch.long, device=device)
+        if "eager" in methods:
+            def eager() -> torch.Tensor:
+                return model.forward(ids, positions, cache, slots)
+            record("eager", time_steps(eager, EAGER_TIMED_STEPS), count_launches(eager))
+        forward = static_forward(model, cache, context)
+        if "cuda-graph" in methods:
+            graph = capture(lambda: forward(ids, positions))
+            record("cuda-graph", time_steps(graph.replay, TIMED_STEPS), count_launches(graph.replay))
+            del graph
+        if "compile+graph" in methods:
+            compiled = torch.compile(forward, dynamic=False)
+            graph = capture(lambda: compiled(ids, positions))
+            record("compile+graph", time_steps(graph.replay, TIMED_STEPS), count_launches(graph.replay))
+            del graph, compiled
+        del cache
+        torch.cuda.empty_cache()
+    return results
+
+
+def bench_megakernel(
+    model: Model, cache, context: int, kernel_cache: KernelCache
+) -> tuple[float, int, dict[str, float], float]:
+    """(seconds per step, launches per step, per-stage ms, ms/step that the timestamps cost)."""
+    step = DecodeStep(model, cache, 0, kernel_cache)
+    step.set_position(0, context)
+    graph = capture(lambda: step.launch(greedy=True))
+    step.set_position(0, context)
+    seconds = time_steps(graph.replay, TIMED_STEPS)
+    launches = count_launches(graph.replay)
+
+    timed = DecodeStep(model, cache, 0, kernel_cache, timing=True)
+    timed.set_position(0, context)
+    timed_graph = capture(lambda: timed.launch(greedy=True))
+    timed.set_position(0, context)
+    timed_seconds = time_steps(timed_graph.replay, TIMED_STEPS)
+    stages = timed.stage_times().seconds  # of the last replay
+    return seconds, launches, {k: v * 1e3 for k, v in stages.items()}, (timed_seconds - seconds) * 1e3
+
+
+def format_table(results: list[Result], bandwidth: float) -> str:
+    lines = [f"HBM read bandwidth (reduction): {bandwidth / 1e9:,.0f} GB/s",
+             f"{'model':<14} {'ctx':>5} {'method':<14} {'ms/step':>8} {'tok/s':>8} {'launches':>8} {'roofline':>8}"]
+    for r in results:
+        lines.append(f"{r.model:<14} {r.context:>5} {r.method:<14} {r.ms_per_step:>8.3f} {r.tokens_per_second:>8.0f} "
+                     f"{r.launches_per_step:>8} {100 * r.roofline_fraction:>7.1f}%")
+    for r in results:
+        if r.stage_ms:
+            stages = ", ".join(f"{k} {v:.3f}" for k, v in r.stage_ms.items())
+            lines.append(f"stages {r.model} ctx={r.context} (ms): {stages}; timing costs {r.timing_cost_ms:+.3f} ms/step")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="megaserve bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(BENCH_CONFIGS), default=list(BENCH_CONFIGS))
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--kernel-cache", type=Path, required=True, help="folder for compiled kernels")
+    parser.add_argument("--out", type=Path, default=Path("bench.json"), help="where to write the JSON results")
+    args = parser.parse_args(argv)
+    if any(context < 1 for context in args.contexts):
+        parser.error("contexts must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("megaserve bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    started = time.time()
+    device = torch.device("cuda")
+    bandwidth = read_bandwidth(device)
+    kernel_cache = KernelCache(args.kernel_cache)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"read bandwidth {bandwidth / 1e9:,.0f} GB/s on {torch.cuda.get_device_name(device)}")
+    results = []
+    for name in args.models:
+        results += bench_model(name, tuple(args.contexts), tuple(args.methods), kernel_cache, bandwidth, log)
+        torch.cuda.empty_cache()
+    report = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "read_bandwidth_bytes_per_second": bandwidth,
+        "seconds": time.time() - started,
+        "results": [asdict(r) for r in results],
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+    print(format_table(results, bandwidth))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

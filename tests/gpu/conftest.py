@@ -1,0 +1,57 @@
+"""GPU fixtures: tiny random Hugging Face models in bf16 on CUDA, in the shapes the megakernel
+must cover (head_dim 64 and 128, GQA ratios 4 and 8, tied and untied embeddings, Qwen3 q/k norm,
+Llama 3.1 RoPE scaling). Every test under tests/gpu is skipped on a machine without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.model_factory import make_tiny_model
+
+LONG_CONTEXT = 9216  # positions past 8,192 are exercised
+LLAMA31_SCALING = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 1024,
+}
+SHAPES = {
+    # head_dim 64, GQA 4, untied
+    "llama-hd64-gqa4": dict(family="llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=1, head_dim=64, tie_word_embeddings=False),
+    # head_dim 128, GQA 8, tied, Qwen3 q/k norm
+    "qwen3-hd128-gqa8-tied": dict(family="qwen3", hidden_size=256, intermediate_size=768, num_attention_heads=8,
+                                  num_key_value_heads=1, head_dim=128, tie_word_embeddings=True),
+    # head_dim 128, GQA 4, tied, Llama 3.1 RoPE scaling, 3 layers
+    "llama31-hd128-gqa4-tied": dict(family="llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                                    num_key_value_heads=2, head_dim=128, tie_word_embeddings=True,
+                                    num_hidden_layers=3, rope_scaling=LLAMA31_SCALING),
+}
+
+
+GPU_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if GPU_TESTS in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", params=sorted(SHAPES))
+def tiny_model_dir(request, tmp_path_factory):
+    settings = dict(SHAPES[request.param])
+    family = settings.pop("family")
+    directory = tmp_path_factory.mktemp(request.param)
+    return make_tiny_model(directory, family, dtype=torch.bfloat16, max_position_embeddings=LONG_CONTEXT, **settings)
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory):
+    from megaserve.kernels.build import KernelCache
+
+    return KernelCache(tmp_path_factory.mktemp("kernel-cache"))
