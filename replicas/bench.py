@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from megaserve.kernels.build import KernelCache
 from megaserve.kernels.launcher import DecodeStep
+from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.replicas.models import Model, ModelConfig
 from megaserve.replicas.models.decoder import expected_shapes
 from megaserve.replicas.models.rope import apply_rope, rope_cos_sin
@@ -133,20 +134,6 @@ def time_steps(step: Callable[[], object], count: int) -> float:
     return statistics.median(samples)
 
 
-def count_launches(step: Callable[[], object]) -> int:
-    """Kernels one call of `step` puts on the GPU, counted by the profiler (graph nodes included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernel_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                     and not e.name.lower().startswith(("memcpy", "memset"))]
-    return len(kernel_events)
-
-
 def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -222,16 +209,16 @@ def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...], 
         if "eager" in methods:
             def eager() -> torch.Tensor:
                 return model.forward(ids, positions, cache, slots)
-            record("eager", time_steps(eager, EAGER_TIMED_STEPS), count_launches(eager))
+            record("eager", time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager))
         forward = static_forward(model, cache, context)
         if "cuda-graph" in methods:
             graph = capture(lambda: forward(ids, positions))
-            record("cuda-graph", time_steps(graph.replay, TIMED_STEPS), count_launches(graph.replay))
+            record("cuda-graph", time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay))
             del graph
         if "compile+graph" in methods:
             compiled = torch.compile(forward, dynamic=False)
             graph = capture(lambda: compiled(ids, positions))
-            record("compile+graph", time_steps(graph.replay, TIMED_STEPS), count_launches(graph.replay))
+            record("compile+graph", time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay))
             del graph, compiled
         del cache
         torch.cuda.empty_cache()
@@ -247,7 +234,7 @@ def bench_megakernel(
     graph = capture(lambda: step.launch(greedy=True))
     step.set_position(0, context)
     seconds = time_steps(graph.replay, TIMED_STEPS)
-    launches = count_launches(graph.replay)
+    launches = count_kernel_launches(graph.replay)
 
     timed = DecodeStep(model, cache, 0, kernel_cache, timing=True)
     timed.set_position(0, context)

@@ -1,0 +1,268 @@
+"""MegakernelEngine: batch-1 generation whose decode steps are one megakernel launch each.
+
+One background thread owns the GPU, the model, its one-row KV cache and the kernel, and serves
+one request at a time (the latency tier's replicas take one request each):
+
+    wait for a request -> prefill the prompt with the reference model's PyTorch ops into the
+    KV cache (the kernel reads the same cache) -> first token -> decode steps until a stop
+    token, max_tokens, or the consumer cancels
+
+A decode step is the replay of a CUDA graph that holds exactly one kernel launch
+(`kernels.launcher.DecodeStep`): the kernel reads its input token and position from device
+memory and writes the next ones back, so the same graph serves every step and the only host
+sync per step is reading the new token id (to stream it and check stops). Greedy requests take
+the kernel's on-GPU argmax; sampled ones run `replicas.sampling.sample` on the kernel's logits
+and write the drawn token into the kernel's input slot.
+
+Requests are validated as in TorchEngine (vocabulary, prompt + max_tokens within the context).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megaserve.kernels.build import KernelCache
+from megaserve.kernels.launcher import DecodeStep
+from megaserve.kernels.profiling import count_kernel_launches
+from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
+
+from ..models import load_model
+from ..protocol import (
+    CoalescePolicy,
+    Engine,
+    EngineError,
+    EngineHealth,
+    FinishReason,
+    GenerateRequest,
+    StepOutput,
+    Tier,
+)
+from ..sampling import SamplingRows, sample
+from .engine_metrics import EngineMetrics
+from .stream import RequestQueue, StreamOutbox, TokenStream
+
+logger = logging.getLogger(__name__)
+
+ENGINE_LABEL = "megakernel"
+KERNEL_DTYPES = (None, "auto", "bfloat16", torch.bfloat16)  # the kernel is written for bf16
+SLOT = 0  # the one KV-cache row
+
+
+@dataclass(eq=False)
+class _Request:
+    request: GenerateRequest
+    stream: TokenStream
+    stop_ids: frozenset[int]
+
+
+class MegakernelEngine(Engine):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        kernel_cache: str | Path,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype | str | None = None,
+        max_seq: int | None = None,
+        coalesce: CoalescePolicy = CoalescePolicy(),
+        tier: Tier | str = Tier.LATENCY,
+        model_name: str | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"MegakernelEngine needs a CUDA device, got {device!r}")
+        if dtype not in KERNEL_DTYPES:
+            raise ValueError(f"MegakernelEngine runs bf16 weights; dtype {dtype!r} is not supported")
+        torch.cuda.set_device(self.device)
+        self.model = load_model(model_dir, self.device, torch.bfloat16)
+        config = self.model.config
+        self.vocab_size = config.vocab_size
+        self.eos_ids = frozenset(config.eos_token_ids)
+        self.max_context = min(max_seq or config.max_position_embeddings, config.max_position_embeddings)
+        self.model_name = model_name or Path(model_dir).name
+        self.tier = Tier(tier).value
+        self.coalesce = coalesce
+        self.cache = self.model.new_cache(1, self.max_context)
+        self.step = DecodeStep(self.model, self.cache, SLOT, KernelCache(kernel_cache))
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
+        self._graphs = {greedy: self._capture(greedy) for greedy in (True, False)}
+        self.launches_per_step = self._measure_launches()
+        KERNEL_LAUNCHES_PER_STEP.labels(tier=self.tier, model=self.model_name, engine=ENGINE_LABEL).set(
+            self.launches_per_step
+        )
+        self.metrics = EngineMetrics(self.tier, self.model_name)
+
+        self._queue: RequestQueue[_Request] = RequestQueue()
+        self._running: _Request | None = None
+        self._failure: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"megakernel-engine-{self.model_name}", daemon=True)
+        self._thread.start()
+
+    def _capture(self, greedy: bool) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of one decode-step launch; position 0 is scratch until a request sets it."""
+        self.step.set_position(0, 0)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.step.launch(greedy)  # loads the module outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self.step.set_position(0, 0)
+        with torch.cuda.graph(graph):
+            self.step.launch(greedy)
+        return graph
+
+    def _measure_launches(self) -> int:
+        """Kernels in one greedy decode step, counted once with the profiler."""
+        graph = self._graphs[True]
+
+        def one_step() -> None:
+            self.step.set_position(0, 0)
+            graph.replay()
+
+        return count_kernel_launches(one_step)
+
+    # --- the asyncio side ----------------------------------------------------------------------
+
+    def validate(self, request: GenerateRequest) -> None:
+        super().validate(request)
+        for token in request.prompt_token_ids:
+            if not 0 <= token < self.vocab_size:
+                raise EngineError(f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        prompt, wanted = len(request.prompt_token_ids), request.sampling.max_tokens
+        if prompt + wanted > self.max_context:
+            raise EngineError(
+                f"this model's maximum context length is {self.max_context} tokens, but "
+                f"{prompt + wanted} were requested ({prompt} in the prompt, {wanted} to generate); "
+                "shorten the prompt or lower max_tokens"
+            )
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        """Validate now (EngineError at the call), queue when iteration starts."""
+        if self._queue.closed:
+            raise EngineError("the engine is shut down")
+        self.validate(request)
+        return self._generate(request)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        stream = TokenStream(len(request.prompt_token_ids), self.coalesce, asyncio.get_running_loop())
+        sampling = request.sampling
+        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_ids)
+        self._queue.put(_Request(request, stream, stop_ids), request.priority)
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def health(self) -> EngineHealth:
+        alive = self._thread.is_alive()
+        detail = self._failure or ("" if alive else "the engine is shut down")
+        return EngineHealth(
+            healthy=alive and self._failure is None, detail=detail,
+            running_requests=int(self._running is not None), waiting_requests=len(self._queue),
+        )
+
+    async def shutdown(self) -> None:
+        self._queue.close()
+        await asyncio.to_thread(self._thread.join)
+        self._graphs = {}
+        self.step = self.model = self.cache = None  # the thread is gone: free the device
+        torch.cuda.empty_cache()
+
+    # --- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device)
+        try:
+            with torch.inference_mode():
+                while self._queue.wait():
+                    item = self._queue.pop()
+                    if item is None or item.stream.cancelled:
+                        continue
+                    self._running = item
+                    self.metrics.request_started()
+                    try:
+                        self._serve(item)
+                    finally:
+                        self._running = None
+                        self.metrics.request_ended()
+        except Exception as exc:  # a failed step ends the engine; Serve replaces an unhealthy replica
+            logger.exception("megakernel engine step failed")
+            self._failure = f"engine step failed: {type(exc).__name__}: {exc}"
+            if self._running is not None:
+                self._finish(self._running, FinishReason.ABORT, self._failure)
+        finally:
+            self._abort_waiting()
+
+    def _serve(self, item: _Request) -> None:
+        """Prefill, then decode until a stop condition or cancellation."""
+        params = item.request.sampling
+        rows = None if params.greedy else SamplingRows.build([params], self.vocab_size, self.device)
+        prompt = item.request.prompt_token_ids
+        start = time.perf_counter()
+        token = self._prefill(prompt, rows)
+        seconds = time.perf_counter() - start
+        self.metrics.prefill_step(seconds)
+        generated = 1
+        if self._deliver(item, token, seconds, generated):
+            return
+        self.step.set_position(token, len(prompt))
+        graph = self._graphs[params.greedy]
+        while not item.stream.cancelled:
+            start = time.perf_counter()
+            graph.replay()
+            if rows is None:
+                token = self.step.next_token.item()  # the step's one sync
+            else:
+                position = self.step.state[1:2].long()  # the drawn token's position, on the device
+                drawn = sample(self.step.logits[None], rows, position, self.generator)
+                self.step.token_slot.copy_(drawn[0])
+                token = drawn.item()
+            seconds = time.perf_counter() - start
+            self.metrics.decode_step(seconds)
+            generated += 1
+            if self._deliver(item, token, seconds, generated):
+                return
+
+    def _prefill(self, prompt: tuple[int, ...], rows: SamplingRows | None) -> int:
+        ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
+        positions = torch.arange(len(prompt), device=self.device)[None]
+        slots = torch.full((1,), SLOT, dtype=torch.int64, device=self.device)
+        logits = self.model.forward(ids, positions, self.cache, slots, last_only=True)  # [1, V]
+        if rows is None:
+            return int(logits[0].argmax())
+        return sample(logits, rows, torch.tensor([len(prompt)], device=self.device), self.generator).item()
+
+    def _deliver(self, item: _Request, token: int, seconds: float, generated: int) -> bool:
+        """Stream `token`; True when the generation is over."""
+        outbox = StreamOutbox()
+        outbox.token(item.stream, token, seconds)
+        reason = None
+        if token in item.stop_ids:
+            reason = FinishReason.STOP
+        elif generated >= item.request.sampling.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            outbox.finish(item.stream, reason)
+        outbox.flush()
+        return reason is not None
+
+    def _finish(self, item: _Request, reason: FinishReason, error: str | None = None) -> None:
+        outbox = StreamOutbox()
+        outbox.finish(item.stream, reason, error)
+        outbox.flush()
+
+    def _abort_waiting(self) -> None:
+        """End every waiting stream with ABORT (shutdown or a failed step)."""
+        self._queue.close()
+        for item in self._queue.drain():
+            self._finish(item, FinishReason.ABORT, self._failure)

@@ -1,0 +1,116 @@
+"""MegakernelEngine on CUDA: greedy tokens as the kernel produces them, one kernel launch per
+decode step, stop tokens, seeded sampling, the yield rule, cancellation and validation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+from megaserve.kernels.build import KernelCache
+from megaserve.kernels.launcher import DecodeStep
+from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
+from megaserve.replicas.engines.megakernel_engine import MegakernelEngine
+from megaserve.replicas.models import load_model
+from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason, GenerateRequest, SamplingParams
+
+PROMPT = (5, 17, 99, 3, 42, 250, 7)
+MAX_TOKENS = 40
+MAX_SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    engine = MegakernelEngine(tiny_model_dir, kernel_cache=tmp_path_factory.mktemp("kernels"), max_seq=MAX_SEQ,
+                              coalesce=CoalescePolicy(seconds=0.002, tokens=8), model_name="tiny")
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+async def collect(engine, request):
+    outputs = []
+    async for output in engine.generate(request):
+        outputs.append(output)
+    return outputs
+
+
+def greedy_request(**sampling) -> GenerateRequest:
+    params = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True) | sampling
+    return GenerateRequest("r", PROMPT, SamplingParams(**params))
+
+
+def kernel_greedy_tokens(model_dir, kernel_dir, count: int) -> list[int]:
+    """The same greedy continuation computed with the launcher directly."""
+    model = load_model(model_dir, "cuda", torch.bfloat16)
+    cache = model.new_cache(1, MAX_SEQ)
+    ids, positions = torch.tensor([PROMPT], device="cuda"), torch.arange(len(PROMPT), device="cuda")[None]
+    first = int(model.forward(ids, positions, cache, torch.zeros(1, dtype=torch.long, device="cuda"), last_only=True)[0].argmax())
+    step = DecodeStep(model, cache, 0, KernelCache(kernel_dir))
+    step.set_position(first, len(PROMPT))
+    tokens = [first]
+    for _ in range(count - 1):
+        step.launch()
+        tokens.append(step.next_token.item())
+    return tokens
+
+
+def test_greedy_stream_follows_the_yield_rule(engine, tiny_model_dir, tmp_path):
+    outputs = asyncio.run(collect(engine, greedy_request()))
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert len(outputs[0].token_ids) == 1  # the first token alone
+    assert all(o.token_ids for o in outputs[:-1]) and all(len(o.token_ids) <= 8 for o in outputs)
+    assert outputs[-1].finish_reason == FinishReason.LENGTH
+    assert all(o.finish_reason is None for o in outputs[:-1])
+    assert len(tokens) == MAX_TOKENS and all(len(o.step_seconds) == len(o.token_ids) for o in outputs)
+    assert tokens == kernel_greedy_tokens(tiny_model_dir, tmp_path, MAX_TOKENS)
+
+
+def test_one_kernel_launch_per_decode_step(engine):
+    assert engine.launches_per_step == 1
+    gauge = KERNEL_LAUNCHES_PER_STEP.labels(tier="latency", model="tiny", engine="megakernel")
+    assert gauge._value.get() == 1
+
+
+def test_stop_token_ends_with_stop(engine):
+    tokens = [t for o in asyncio.run(collect(engine, greedy_request())) for t in o.token_ids]
+    stop = tokens[5]
+    outputs = asyncio.run(collect(engine, greedy_request(stop_token_ids=(stop,))))
+    streamed = [t for o in outputs for t in o.token_ids]
+    assert streamed == tokens[: tokens.index(stop) + 1]
+    assert outputs[-1].finish_reason == FinishReason.STOP
+
+
+def test_seeded_sampling_repeats_and_differs_from_greedy(engine):
+    sampled = dict(temperature=1.5, top_p=0.95, seed=1234)
+    first = [t for o in asyncio.run(collect(engine, greedy_request(**sampled))) for t in o.token_ids]
+    second = [t for o in asyncio.run(collect(engine, greedy_request(**sampled))) for t in o.token_ids]
+    greedy = [t for o in asyncio.run(collect(engine, greedy_request())) for t in o.token_ids]
+    assert first == second and len(first) == MAX_TOKENS
+    assert first != greedy
+    assert all(0 <= t < engine.vocab_size for t in first)
+
+
+def test_cancel_stops_generation_and_frees_the_engine(engine):
+    async def cancel_early():
+        stream = engine.generate(greedy_request(max_tokens=MAX_SEQ - len(PROMPT)))
+        async with contextlib.aclosing(stream):
+            async for _ in stream:
+                break
+        for _ in range(200):
+            if (await engine.health()).running_requests == 0:
+                break
+            await asyncio.sleep(0.01)
+        return await engine.health()
+
+    health = asyncio.run(cancel_early())
+    assert health.healthy and health.running_requests == 0
+    assert len([t for o in asyncio.run(collect(engine, greedy_request(max_tokens=3))) for t in o.token_ids]) == 3
+
+
+def test_too_long_requests_are_refused(engine):
+    with pytest.raises(EngineError, match="maximum context length"):
+        engine.generate(greedy_request(max_tokens=MAX_SEQ))
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.generate(GenerateRequest("r", (engine.vocab_size,), SamplingParams()))

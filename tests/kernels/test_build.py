@@ -1,0 +1,98 @@
+"""NVRTC builds every instantiation the product uses, and the on-disk cubin cache behaves:
+hit, miss on changed source / arch / shape / flags, and a corrupt entry rebuilt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megaserve.kernels.build import KernelCache, cache_key, source_files, supported_archs
+from megaserve.kernels.shape import KernelShape
+from megaserve.replicas.bench import BENCH_CONFIGS
+from megaserve.replicas.models import ModelConfig
+
+HOPPER = "sm_90a"
+BLACKWELL = ("sm_100a", "sm_103a")
+TINY = KernelShape(hidden=256, heads=8, kv_heads=1, head_dim=128, intermediate=768, vocab=512, layers=2, qk_norm=True)
+CUBIN_MAGIC = b"\x7fELF"
+
+
+def bench_shapes() -> dict[str, KernelShape]:
+    return {name: KernelShape.from_config(ModelConfig.from_hf_dict(raw)) for name, raw in BENCH_CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    return KernelCache(tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_CONFIGS))
+def test_bench_shapes_compile_for_hopper(shared_cache, name):
+    compiled = shared_cache.decode_step(bench_shapes()[name], HOPPER)
+    assert compiled.cubin.startswith(CUBIN_MAGIC)
+    assert compiled.symbol.startswith("_ZN10megakernel11decode_step")
+
+
+@pytest.mark.parametrize("arch", BLACKWELL)
+def test_compiles_for_blackwell_when_nvrtc_supports_it(shared_cache, arch):
+    if arch.rstrip("a") not in supported_archs():
+        pytest.skip(f"this NVRTC does not target {arch}")
+    compiled = shared_cache.decode_step(bench_shapes()["Llama-3.1-8B"], arch)
+    assert compiled.cubin.startswith(CUBIN_MAGIC)
+
+
+def test_cache_hit_returns_the_same_cubin(tmp_path):
+    cache = KernelCache(tmp_path)
+    first = cache.decode_step(TINY, HOPPER)
+    second = cache.decode_step(TINY, HOPPER)
+    assert not first.from_cache and second.from_cache
+    assert first.cubin == second.cubin and first.symbol == second.symbol
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [dict(arch="sm_100a"), dict(shape=KernelShape(**(vars(TINY) | {"layers": 3}))), dict(timing=True)],
+    ids=["arch", "shape", "timing-flag"],
+)
+def test_cache_misses_on_a_changed_arch_shape_or_flag(tmp_path, variant):
+    cache = KernelCache(tmp_path)
+    cache.decode_step(TINY, HOPPER)
+    if variant.get("arch", HOPPER).rstrip("a") not in supported_archs():
+        pytest.skip("this NVRTC lacks the other arch")
+    rebuilt = cache.decode_step(variant.get("shape", TINY), variant.get("arch", HOPPER), variant.get("timing", False))
+    assert not rebuilt.from_cache
+    assert len(list(tmp_path.glob("*.cubin"))) == 2
+
+
+def test_changed_source_changes_the_key():
+    sources = source_files()
+    name = TINY.kernel_name(False)
+    edited = dict(sources) | {"gemv.cuh": sources["gemv.cuh"] + "\n// edited\n"}
+    assert cache_key(sources, HOPPER, name) == cache_key(dict(sources), HOPPER, name)
+    assert cache_key(edited, HOPPER, name) != cache_key(sources, HOPPER, name)
+
+
+@pytest.mark.parametrize("damage", ["truncate-cubin", "garbage-record", "other-symbol"])
+def test_corrupt_entry_is_rebuilt(tmp_path, damage):
+    cache = KernelCache(tmp_path)
+    good = cache.decode_step(TINY, HOPPER)
+    cubin_path = next(tmp_path.glob("*.cubin"))
+    record_path = cubin_path.with_suffix(".json")
+    if damage == "truncate-cubin":
+        cubin_path.write_bytes(good.cubin[: len(good.cubin) // 2])
+    elif damage == "garbage-record":
+        record_path.write_text("{not json")
+    else:
+        record_path.write_text(json.dumps(json.loads(record_path.read_text()) | {"name_expression": "other"}))
+    rebuilt = cache.decode_step(TINY, HOPPER)
+    # NVRTC output is not byte-for-byte reproducible (an embedded module id); same kernel, same size.
+    assert not rebuilt.from_cache and rebuilt.symbol == good.symbol and len(rebuilt.cubin) == len(good.cubin)
+    assert cache.decode_step(TINY, HOPPER).from_cache  # the entry was rewritten whole
+
+
+def test_unsupported_arch_is_refused(tmp_path):
+    from megaserve.kernels.build import KernelBuildError
+
+    with pytest.raises(KernelBuildError, match="cannot compile for sm_10"):
+        KernelCache(tmp_path).decode_step(TINY, "sm_10")

@@ -1,0 +1,54 @@
+"""Which model shapes map onto the megakernel's template, and clear errors for the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+from megaserve.kernels.shape import KernelShape, UnsupportedShapeError
+from megaserve.replicas.bench import BENCH_CONFIGS
+from megaserve.replicas.models import ModelConfig
+from tests.gpu.conftest import SHAPES
+
+TINY = dict(hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=512, vocab=512, layers=2, qk_norm=False)
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_CONFIGS))
+def test_bench_models_map_to_template_arguments(name):
+    config = ModelConfig.from_hf_dict(BENCH_CONFIGS[name])
+    shape = KernelShape.from_config(config)
+    expected = {
+        "Llama-3.2-1B": "megakernel::ModelShape<2048, 32, 8, 64, 8192, 128256, 16, false>",
+        "Llama-3.1-8B": "megakernel::ModelShape<4096, 32, 8, 128, 14336, 128256, 32, false>",
+        "Qwen3-8B": "megakernel::ModelShape<4096, 32, 8, 128, 12288, 151936, 36, true>",
+    }[name]
+    assert shape.template_args == expected
+    assert shape.kernel_name(timing=True) == f"megakernel::decode_step<{expected}, true>"
+    assert shape.group == 4
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_gpu_test_shapes_are_supported(name):
+    settings = dict(SHAPES[name])
+    family = settings.pop("family")
+    raw = {"architectures": ["LlamaForCausalLM" if family == "llama" else "Qwen3ForCausalLM"],
+           "vocab_size": 512, "num_hidden_layers": 2, **settings}
+    shape = KernelShape.from_config(ModelConfig.from_hf_dict(raw))
+    assert shape.qk_norm == (family == "qwen3")
+    assert shape.group in (4, 8)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"head_dim": 16}, "head_dim 16 is not supported"),
+        ({"hidden": 260}, "hidden .* multiple of 8"),
+        ({"intermediate": 1000 + 4}, "intermediate .* multiple of 8"),
+        ({"heads": 6, "kv_heads": 4}, "multiple of kv_heads"),
+        ({"intermediate": 40960}, "shared memory"),
+        ({"heads": 16, "kv_heads": 1, "head_dim": 256}, "shared memory"),
+        ({"layers": 0}, "layers must be positive"),
+    ],
+)
+def test_unsupported_shapes_are_refused_clearly(change, message):
+    with pytest.raises(UnsupportedShapeError, match=message):
+        KernelShape(**(TINY | change))
