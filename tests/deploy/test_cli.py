@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,7 +28,8 @@ def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
     path = tmp_path / "up.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
-    env = dict(os.environ, MEGASERVE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, MEGASERVE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1",
+               RAY_AUTH_TOKEN=secrets.token_hex(16))
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "megaserve.deploy.cli", "up", str(path), "--port", str(port)],
