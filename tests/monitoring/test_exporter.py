@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.request
 
 import pytest
+
+from tests.live import free_port, wait_until
 
 RECORDER = textwrap.dedent("""
     import sys, time
@@ -26,12 +26,6 @@ RECORDER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
@@ -43,23 +37,9 @@ def _scrape(port: int) -> dict[str, float]:
     return samples
 
 
-def _wait_for(predicate, seconds: float = 20.0):
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            result = predicate()
-            if result:
-                return result
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def recorders(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics"))
     procs = []
 
@@ -81,7 +61,7 @@ def test_one_port_serves_the_sum_of_every_process(recorders):
     start(3)
     start(4)
     tokens = 'megaserve_generation_tokens_total{model="m",tier="latency"}'
-    samples = _wait_for(lambda: (s := _scrape(port)).get(tokens) == 7 and s)
+    samples = wait_until(lambda: (s := _scrape(port)).get(tokens) == 7 and s, 20, "the sum")
     assert samples['megaserve_busy_replicas{model="m",tier="latency"}'] == 2
     bucket = 'megaserve_step_duration_seconds_bucket{le="0.0005",model="m",phase="decode",tier="latency"}'
     assert samples[bucket] == 2
@@ -92,10 +72,10 @@ def test_another_process_takes_over_and_dead_gauges_are_retired(recorders):
     first = start(3)
     start(4)
     busy = 'megaserve_busy_replicas{model="m",tier="latency"}'
-    _wait_for(lambda: _scrape(port).get(busy) == 2)
+    wait_until(lambda: _scrape(port).get(busy) == 2, 20, "both processes")
     first.kill()
     first.wait()
     # Whichever process held the port, the survivor serves within the retry period, and the dead
     # process' live gauge no longer counts; its counter increments stay (counters are totals).
-    samples = _wait_for(lambda: (s := _scrape(port)).get(busy) == 1 and s)
+    samples = wait_until(lambda: (s := _scrape(port)).get(busy) == 1 and s, 20, "the take-over")
     assert samples['megaserve_generation_tokens_total{model="m",tier="latency"}'] == 7
