@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+
 import pytest
+
+# Ray reads its auth mode when it is first imported, which some test modules do at collection:
+# turn token authentication on here, before any of them, with a token of this test session's own
+# (not the user's ~/.ray one, which a concurrent `ray start` could replace).
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
 
 # A small live deployment: one latency replica (batch-1), one throughput replica with few slots,
 # so that tests can saturate both tiers with a handful of concurrent requests.

@@ -100,9 +100,9 @@ class LiveStack:
 
 def start_stack(app_args: dict, home: Path) -> LiveStack:
     """Ray (token auth on) + Serve app from `app_args` (an AppConfig dict) + Prometheus."""
-    # Token auth on, with a token of this test session's own (not the user's ~/.ray one).
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+    # Token auth on (tests/conftest.py sets the session's token before Ray is first imported).
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
     os.environ["MEGASERVE_HOME"] = str(home)
     import ray
     from ray import serve
