@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from megaserve.replicas.engines.tp_reference import (
+    LocalGroup,
     RankDecoder,
     combine_argmax,
     generate_local,
     local_argmax,
     run_gloo,
+    tp_generate,
 )
 from megaserve.replicas.models import Model, ModelConfig, load_model
 from megaserve.replicas.models.sharding import (
@@ -162,6 +164,14 @@ def test_impossible_splits_are_refused_naming_the_numbers(overrides, tp_size, me
 def test_rank_out_of_range_is_refused(references):
     with pytest.raises(ShardingError, match=r"rank must be in \[0, 4\) for tp_size 4, got 4"):
         shard_model(references["llama-mha-tied"][0], 4, 4)
+
+
+def test_generation_past_the_rank_caches_is_refused(references):
+    model, prompt, _, _ = references["llama-mha-tied"]
+    group = LocalGroup([RankDecoder(shard_model(model, 2, rank), max_seq=PROMPT_LENGTH) for rank in range(2)])
+    with pytest.raises(ValueError, match=rf"prompt \({PROMPT_LENGTH}\) \+ max_new_tokens \(3\) - 1 exceeds max_seq"):
+        tp_generate(group, prompt, 3)
+    assert len(tp_generate(group, prompt, 1).tokens) == 1
 
 
 def test_argmax_ties_go_to_the_lowest_token_id():
