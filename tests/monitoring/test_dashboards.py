@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
-import prometheus_server
+from tests.monitoring import prometheus_server
 from megaserve.monitoring import dashboards, metrics
 
 REPO = Path(__file__).resolve().parents[2]
