@@ -1,0 +1,53 @@
+"""`megaserve generate`: in-process on any HF directory (checked against transformers), and
+against a running server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megaserve.replicas.models.demo import ensure_demo_model
+
+
+def _generate(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "megaserve.deploy.cli", "generate", *args, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return str(ensure_demo_model(tmp_path_factory.mktemp("home")))
+
+
+def test_in_process_greedy_matches_transformers(demo_dir):
+    from transformers import AutoModelForCausalLM
+
+    result = _generate("Tell me a story", "--model", demo_dir, "--engine", "torch", "--device", "cpu",
+                       "--max-tokens", "12", "--ignore-eos")
+    assert len(result["token_ids"]) == len(result["step_ms"]) == 12
+    assert result["finish_reason"] == "length"
+    model = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32)
+    prompt = torch.tensor([result["prompt_token_ids"]])
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                              attention_mask=torch.ones_like(prompt))
+    assert result["token_ids"] == expected[0, prompt.shape[1]:].tolist()
+
+
+def test_in_process_seeded_sampling_is_reproducible(demo_dir):
+    args = ("hello", "--model", demo_dir, "--device", "cpu", "--max-tokens", "16", "--ignore-eos",
+            "--temperature", "1.0", "--seed", "7")
+    assert _generate(*args)["token_ids"] == _generate(*args)["token_ids"]
+
+
+@pytest.mark.integration
+def test_against_the_server_reports_the_tier(live_stack):
+    result = _generate("hi", "--url", live_stack.base_url, "--tier", "latency", "--max-tokens", "5")
+    assert result["tier"] == "latency"
+    assert 1 <= result["completion_tokens"] <= 5
+    assert result["ttft_ms"] > 0
