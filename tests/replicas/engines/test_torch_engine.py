@@ -284,3 +284,12 @@ async def test_create_engine_builds_a_torch_engine_from_plain_settings(tiny_mode
         await engine.shutdown()
     with pytest.raises(ValueError, match="unknown engine kind 'tensorrt'"):
         create_engine("tensorrt", model_dir=tiny_model_dir)
+
+
+async def test_a_failed_step_aborts_with_the_error_and_reports_unhealthy(make_engine):
+    engine = make_engine()
+    engine.cache.k[0] = None  # break the cache: the next forward fails inside the step thread
+    items = await asyncio.wait_for(_collect(engine, _request(_prompt(4, 21), max_tokens=3)), 10)
+    assert items[-1].finish_reason == FinishReason.ABORT and "engine step failed" in items[-1].error
+    health = await engine.health()
+    assert not health.healthy and "engine step failed" in health.detail
