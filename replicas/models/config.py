@@ -14,12 +14,14 @@ that names the field, rather than silently computing something else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 # Hugging Face architecture name -> our family name.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -71,11 +73,19 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
-        """Read `path/config.json` of a Llama 3 or Qwen3 dense checkpoint."""
+        """Read `path/config.json` of a Llama 3 or Qwen3 dense checkpoint. End-of-sequence ids
+        are the union of config.json's and generation_config.json's, as transformers and vLLM
+        stop on both (Llama 3 Instruct lists <|eot_id|> only in the latter)."""
         config_path = Path(path) / CONFIG_FILE
         if not config_path.is_file():
             raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
-        return cls.from_hf_dict(json.loads(config_path.read_text()))
+        config = cls.from_hf_dict(json.loads(config_path.read_text()))
+        generation_path = Path(path) / GENERATION_CONFIG_FILE
+        if generation_path.is_file():
+            extra = _token_ids(json.loads(generation_path.read_text()).get("eos_token_id"))
+            merged = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
+            config = dataclasses.replace(config, eos_token_ids=merged)
+        return config
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:

@@ -192,3 +192,11 @@ def test_folder_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_model(tmp_path)
+
+
+def test_eos_ids_include_generation_config_ones(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "llama")
+    config_eos = ModelConfig.from_hf_dir(path).eos_token_ids
+    generation = {"eos_token_id": [config_eos[0], 5, 6]}
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    assert ModelConfig.from_hf_dir(path).eos_token_ids == config_eos + (5, 6)
