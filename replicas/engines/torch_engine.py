@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megaserve.kernels.profiling import count_kernel_launches
+from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import KVCache, load_model
 from ..protocol import (
@@ -53,6 +57,7 @@ from .validation import check_context, check_token_ids
 
 logger = logging.getLogger(__name__)
 
+ENGINE_LABEL = "torch"
 AUTO_DTYPE = "auto"  # the checkpoint's dtype on a GPU, float32 on the CPU (bf16 matmuls crawl there)
 
 
@@ -106,6 +111,10 @@ class TorchEngine(Engine):
         self.generator.seed()
         self.next_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # per slot
         self.metrics = EngineMetrics(self.tier, self.model_name)
+        self.launches_per_step = self._measure_launches()
+        KERNEL_LAUNCHES_PER_STEP.labels(tier=self.tier, model=self.model_name, engine=ENGINE_LABEL).set(
+            self.launches_per_step
+        )
 
         self._queue: RequestQueue[_Sequence] = RequestQueue()
         self._running: dict[int, _Sequence] = {}  # slot -> sequence; engine thread only
@@ -113,6 +122,23 @@ class TorchEngine(Engine):
         self._failure: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"torch-engine-{self.model_name}", daemon=True)
         self._thread.start()
+
+    def _measure_launches(self) -> int:
+        """Launches of one batch-1 decode step, counted once with the profiler: CUDA kernels on a
+        GPU; on the CPU, the top-level ATen operators dispatched (each would be a kernel launch on
+        a GPU). The step writes scratch K/V at slot 0, position 0, which a prefill overwrites."""
+        slot = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+        def one_step() -> None:
+            with torch.inference_mode():
+                self.model.forward(slot[:, None], slot[:, None], self.cache, slot, last_only=True, context_len=1)
+
+        if self.device.type == "cuda":
+            return count_kernel_launches(one_step)
+        one_step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            one_step()
+        return sum(1 for event in prof.events() if event.cpu_parent is None and event.name.startswith("aten::"))
 
     # --- the asyncio side ----------------------------------------------------------------------
 
@@ -215,7 +241,10 @@ class TorchEngine(Engine):
         slot_index = self._to_device([seq.slot for seq in batch])  # [B]
         positions = self._to_device([seq.next_position for seq in batch])  # [B]
         input_ids = self.next_tokens[slot_index]  # [B], sampled last step, never left the device
-        logits = self.model.forward(input_ids[:, None], positions[:, None], self.cache, slot_index, last_only=True)
+        context_len = max(seq.next_position for seq in batch) + 1  # known on the host: no sync
+        logits = self.model.forward(
+            input_ids[:, None], positions[:, None], self.cache, slot_index, last_only=True, context_len=context_len
+        )
         rows = self.sampling.gather([seq.slot for seq in batch], slot_index)
         tokens = sample(logits, rows, positions + 1, self.generator)  # [B]
         self.next_tokens.index_copy_(0, slot_index, tokens)

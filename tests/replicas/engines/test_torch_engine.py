@@ -293,3 +293,19 @@ async def test_a_failed_step_aborts_with_the_error_and_reports_unhealthy(make_en
     assert items[-1].finish_reason == FinishReason.ABORT and "engine step failed" in items[-1].error
     health = await engine.health()
     assert not health.healthy and "engine step failed" in health.detail
+
+
+async def test_launches_per_step_are_measured_and_grow_with_depth(make_engine, tmp_path):
+    engine = make_engine()
+    labels = {"tier": "latency", "model": engine.model_name, "engine": "torch"}
+    assert _sample("megaserve_kernel_launches_per_step", labels) == engine.launches_per_step > 0
+    layers = engine.model.config.num_layers
+    deeper_dir = make_tiny_model(tmp_path / "deeper", "llama", seed=3, num_hidden_layers=2 * layers)
+    deeper = TorchEngine(deeper_dir, model_name="tiny-deeper")
+    try:
+        # Every decoder layer dispatches the same operators: doubling the layers adds exactly
+        # one more copy of the per-layer count.
+        per_layer, remainder = divmod(deeper.launches_per_step - engine.launches_per_step, layers)
+        assert per_layer > 0 and remainder == 0
+    finally:
+        await deeper.shutdown()
