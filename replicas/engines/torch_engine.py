@@ -226,7 +226,9 @@ class TorchEngine(Engine):
         slot_index = self._to_device([seq.slot])
         input_ids = self._to_device(prompt)[None]  # [1, P]
         positions = torch.arange(len(prompt), device=self.device)[None]  # [1, P]
-        logits = self.model.forward(input_ids, positions, self.cache, slot_index, last_only=True)  # [1, V]
+        logits = self.model.forward(
+            input_ids, positions, self.cache, slot_index, last_only=True, context_len=len(prompt)
+        )  # [1, V]
         rows = self.sampling.gather([seq.slot], slot_index)
         tokens = sample(logits, rows, self._to_device([len(prompt)]), self.generator)  # [1]
         self.next_tokens.index_copy_(0, slot_index, tokens)
