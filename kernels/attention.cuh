@@ -29,34 +29,46 @@ struct AttentionShared {
   float merge_max[kMergeSlots][S::group];
   float merge_sum[kMergeSlots][S::group];
   float merge_acc[kMergeSlots][S::group][S::head_dim];
+  float split_weight[S::group][kMaxSplits];  // exp2(max_s - max) of each split, for the combine
+  float inv_total[S::group];
   int is_last_split;
 };
 
-// kPerLane consecutive bf16 of a head_dim row (lane's slice) as floats, read from L2.
+// A lane's slice of a head_dim row: kPerLane consecutive bf16 in one 4-, 8- or 16-byte word.
+template <int kPerLane>
+struct RowSlice;
+template <>
+struct RowSlice<2> {
+  using Raw = unsigned;
+};
+template <>
+struct RowSlice<4> {
+  using Raw = uint2;
+};
+template <>
+struct RowSlice<8> {
+  using Raw = uint4;
+};
+
+// Read from L2: the cache row may have been appended earlier in this launch.
+template <int kPerLane>
+__device__ __forceinline__ typename RowSlice<kPerLane>::Raw load_slice(const bf16* p) {
+  return __ldcg(reinterpret_cast<const typename RowSlice<kPerLane>::Raw*>(p));
+}
+
+template <int kPerLane>
+__device__ __forceinline__ void unpack_slice(const typename RowSlice<kPerLane>::Raw& raw, float* out) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kPerLane / 2; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    out[2 * i] = f.x, out[2 * i + 1] = f.y;
+  }
+}
+
 template <int kPerLane>
 __device__ __forceinline__ void load_row_slice(const bf16* p, float* out) {
-  static_assert(kPerLane == 2 || kPerLane == 4 || kPerLane == 8, "head_dim must be 64, 128 or 256");
-  if constexpr (kPerLane == 2) {
-    const unsigned raw = __ldcg(reinterpret_cast<const unsigned*>(p));
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
-    out[0] = f.x, out[1] = f.y;
-  } else if constexpr (kPerLane == 4) {
-    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      out[2 * i] = f.x, out[2 * i + 1] = f.y;
-    }
-  } else {
-    const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      out[2 * i] = f.x, out[2 * i + 1] = f.y;
-    }
-  }
+  unpack_slice<kPerLane>(load_slice<kPerLane>(p), out);
 }
 
 // One head (a warp): load its raw projection from qkv, RMS-norm it (Qwen3), rotate it (Hugging Face
@@ -167,18 +179,33 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) q[h][j] = sh.q[h][lane * kPerLane + j];
 
-    SoftmaxState<S> state;
-    state.reset();
-    for (int t0 = begin + warp * kKeysPerIter; t0 < end; t0 += kWarps * kKeysPerIter) {
-      float k[kKeysPerIter][kPerLane], v[kKeysPerIter][kPerLane];
+    // Keys in blocks of kKeysPerIter per warp; the next block's loads are issued before the current
+    // block is computed, so two blocks per warp are in flight.
+    using Raw = typename RowSlice<kPerLane>::Raw;
+    struct KvBlock {
+      Raw k[kKeysPerIter], v[kKeysPerIter];
+    };
+    const auto load_block = [&](int t0, KvBlock& block) {
 #pragma unroll
       for (int u = 0; u < kKeysPerIter; ++u) {
         if (t0 + u < end) {
           const size_t row = head_offset + static_cast<size_t>(t0 + u) * HD + lane * kPerLane;
-          load_row_slice<kPerLane>(cache.k + row, k[u]);
-          load_row_slice<kPerLane>(cache.v + row, v[u]);
+          block.k[u] = load_slice<kPerLane>(cache.k + row);
+          block.v[u] = load_slice<kPerLane>(cache.v + row);
         }
       }
+    };
+    constexpr int kWarpStride = kWarps * kKeysPerIter;
+    SoftmaxState<S> state;
+    state.reset();
+    KvBlock current = {}, next = {};
+    int t0 = begin + warp * kKeysPerIter;
+    if (t0 < end) load_block(t0, current);
+    for (; t0 < end; t0 += kWarpStride) {
+      if (t0 + kWarpStride < end) load_block(t0 + kWarpStride, next);
+      float k[kKeysPerIter][kPerLane], v[kKeysPerIter][kPerLane];
+#pragma unroll
+      for (int u = 0; u < kKeysPerIter; ++u) unpack_slice<kPerLane>(current.k[u], k[u]), unpack_slice<kPerLane>(current.v[u], v[u]);
 #pragma unroll
       for (int h = 0; h < G; ++h) {
         float score[kKeysPerIter];
@@ -206,6 +233,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
         }
         state.max[h] = new_max;
       }
+      current = next;
     }
 
     // Merge the warps' states pairwise in shared memory; warp 0 ends with the CTA's.
@@ -246,18 +274,27 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     }
     __syncthreads();
     if (sh.is_last_split) {
-      for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
-        const int head = g * G + idx / HD, d = idx % HD;
-        const float* part = partials + static_cast<size_t>(head) * kMaxSplits * kPartialStride;
-        float global_max = kNegInf;
-        for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, __ldcg(part + s * kPartialStride + HD));
-        float total = 0.f, out = 0.f;
-        for (int s = 0; s < splits; ++s) {
+      for (int h = warp; h < G; h += kWarps) {  // a warp per head: the splits' weights and total
+        const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride;
+        float split_max = kNegInf;
+        for (int s = lane; s < splits; s += kWarpSize) split_max = fmaxf(split_max, __ldcg(part + s * kPartialStride + HD));
+        const float global_max = warp_max(split_max);
+        float total = 0.f;
+        for (int s = lane; s < splits; s += kWarpSize) {
           const float w = exp2f(__ldcg(part + s * kPartialStride + HD) - global_max);
+          sh.split_weight[h][s] = w;
           total = fmaf(__ldcg(part + s * kPartialStride + HD + 1), w, total);
-          out = fmaf(__ldcg(part + s * kPartialStride + d), w, out);
         }
-        attn_out[head * HD + d] = __float2bfloat16(out / total);
+        total = warp_sum(total);
+        if (lane == 0) sh.inv_total[h] = 1.f / total;
+      }
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
+        const int h = idx / HD, d = idx % HD;
+        const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride + d;
+        float out = 0.f;
+        for (int s = 0; s < splits; ++s) out = fmaf(__ldcg(part + s * kPartialStride), sh.split_weight[h][s], out);
+        attn_out[(g * G + h) * HD + d] = __float2bfloat16(out * sh.inv_total[h]);
       }
       if (threadIdx.x == 0) split_counters[g] = 0;
     }

@@ -52,6 +52,12 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
 __device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {

@@ -61,6 +61,55 @@ struct LayerWeights {
   bf16* v_cache;
 };
 
+// The weight rows of each GEMV, as pairs (see gemv_row_pairs).
+template <class S>
+struct QkvRows {  // q, k and v projections stacked: rows [0, q_dim), then k, then v
+  LayerWeights w;
+  __device__ RowPair operator()(int p) const {
+    const int r = 2 * p;  // q_dim and kv_dim are even: a pair never straddles two matrices
+    const bf16* base = r < S::q_dim               ? w.wq + static_cast<size_t>(r) * S::hidden
+                       : r < S::q_dim + S::kv_dim ? w.wk + static_cast<size_t>(r - S::q_dim) * S::hidden
+                                                  : w.wv + static_cast<size_t>(r - S::q_dim - S::kv_dim) * S::hidden;
+    return RowPair{base, base + S::hidden};
+  }
+};
+
+template <class S>
+struct OProjRows {
+  const bf16* wo;
+  __device__ RowPair operator()(int p) const {
+    const bf16* base = wo + static_cast<size_t>(2 * p) * S::q_dim;
+    return RowPair{base, base + S::q_dim};
+  }
+};
+
+template <class S>
+struct GateUpRows {  // pair i = (gate row i, up row i): one warp produces SiLU(gate) * up at once
+  LayerWeights w;
+  __device__ RowPair operator()(int i) const {
+    const size_t row = static_cast<size_t>(i) * S::hidden;
+    return RowPair{w.w_gate + row, w.w_up + row};
+  }
+};
+
+template <class S>
+struct DownRows {
+  const bf16* w_down;
+  __device__ RowPair operator()(int p) const {
+    const bf16* base = w_down + static_cast<size_t>(2 * p) * S::intermediate;
+    return RowPair{base, base + S::intermediate};
+  }
+};
+
+template <class S>
+struct LmHeadRows {
+  const bf16* lm_head;
+  __device__ RowPair operator()(int p) const {
+    const int r0 = 2 * p, r1 = min(2 * p + 1, S::vocab - 1);  // an odd vocab repeats its last row
+    return RowPair{lm_head + static_cast<size_t>(r0) * S::hidden, lm_head + static_cast<size_t>(r1) * S::hidden};
+  }
+};
+
 template <class S>
 struct SharedStorage {
   union {
@@ -82,6 +131,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 unsigned long long* argmax_partials, unsigned long long* stage_stamps, float rms_eps, int max_seq,
                 int greedy) {
   static_assert(sizeof(SharedStorage<S>) <= kStaticSharedLimit, "shape needs more than 48 KB of shared memory");
+  constexpr int kQkvPairs = S::qkv_dim / 2, kOPairs = S::hidden / 2, kDownPairs = S::hidden / 2;
+  constexpr int kGateUpPairs = S::intermediate, kLmHeadPairs = (S::vocab + 1) / 2;
   __shared__ SharedStorage<S> sh;
   StageTimer<kTiming> timer{stage_stamps};
   timer.mark();
@@ -96,18 +147,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bf16* residual = l == 0 ? embed_row : hidden;  // layer 0 reads the embedding in place
 
     rms_norm_to_shared<S::hidden>(residual, w.attn_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(
-        S::qkv_dim / 2, sh.x,
-        [&](int p) {
-          const int r = 2 * p;  // q_dim and kv_dim are even: a pair never straddles two matrices
-          const bf16* base = r < S::q_dim                ? w.wq + static_cast<size_t>(r) * S::hidden
-                             : r < S::q_dim + S::kv_dim ? w.wk + static_cast<size_t>(r - S::q_dim) * S::hidden
-                                                         : w.wv + static_cast<size_t>(r - S::q_dim - S::kv_dim) * S::hidden;
-          return RowPair{base, base + S::hidden};
-        },
-        [&](int p, float d0, float d1) {
-          reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
-        });
+    gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, [&](int p, float d0, float d1) {
+      reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
+    });
     grid_barrier(barrier);
     timer.mark();
 
@@ -117,47 +159,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     timer.mark();
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
-    gemv_row_pairs<S::q_dim>(
-        S::hidden / 2, sh.x,
-        [&](int p) {
-          const bf16* base = w.wo + static_cast<size_t>(2 * p) * S::q_dim;
-          return RowPair{base, base + S::q_dim};
-        },
-        [&](int p, float d0, float d1) {
-          const float2 res = __bfloat1622float2(__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p));
-          reinterpret_cast<__nv_bfloat162*>(hidden)[p] =
-              __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
-        });
+    gemv_row_pairs<S::q_dim>(kOPairs, sh.x, OProjRows<S>{w.wo}, [&](int p, float d0, float d1) {
+      const float2 res = __bfloat1622float2(__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p));
+      reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
+    });
     grid_barrier(barrier);
     timer.mark();
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(
-        S::intermediate, sh.x,
-        [&](int i) {
-          const size_t row = static_cast<size_t>(i) * S::hidden;
-          return RowPair{w.w_gate + row, w.w_up + row};
-        },
-        [&](int i, float gate, float up) {
-          const float g = bf16_round(gate);
-          const float silu = bf16_round(g / (1.f + __expf(-g)));
-          mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
-        });
+    gemv_row_pairs<S::hidden>(kGateUpPairs, sh.x, GateUpRows<S>{w}, [&](int i, float gate, float up) {
+      const float g = bf16_round(gate);
+      const float silu = bf16_round(g / (1.f + __expf(-g)));
+      mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
+    });
     grid_barrier(barrier);
     timer.mark();
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
-    gemv_row_pairs<S::intermediate>(
-        S::hidden / 2, sh.x,
-        [&](int p) {
-          const bf16* base = w.w_down + static_cast<size_t>(2 * p) * S::intermediate;
-          return RowPair{base, base + S::intermediate};
-        },
-        [&](int p, float d0, float d1) {
-          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(hidden) + p;
-          const float2 res = __bfloat1622float2(__ldcg(h));
-          *h = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
-        });
+    gemv_row_pairs<S::intermediate>(kDownPairs, sh.x, DownRows<S>{w.w_down}, [&](int p, float d0, float d1) {
+      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(hidden) + p;
+      const float2 res = __bfloat1622float2(__ldcg(h));
+      *h = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
+    });
     grid_barrier(barrier);
     timer.mark();
   }
@@ -166,23 +189,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // argmax (first maximum on ties) matches it.
   rms_norm_to_shared<S::hidden>(hidden, final_norm, rms_eps, sh.x, sh.reduce);
   unsigned long long best = 0;
-  gemv_row_pairs<S::hidden>(
-      (S::vocab + 1) / 2, sh.x,
-      [&](int p) {
-        const int r0 = 2 * p, r1 = min(2 * p + 1, S::vocab - 1);  // an odd vocab repeats its last row
-        return RowPair{lm_head + static_cast<size_t>(r0) * S::hidden, lm_head + static_cast<size_t>(r1) * S::hidden};
-      },
-      [&](int p, float d0, float d1) {
-        const float l0 = bf16_round(d0), l1 = bf16_round(d1);
-        logits[2 * p] = l0;
-        const unsigned long long k0 = argmax_key(l0, 2 * p);
-        best = k0 > best ? k0 : best;
-        if (2 * p + 1 < S::vocab) {
-          logits[2 * p + 1] = l1;
-          const unsigned long long k1 = argmax_key(l1, 2 * p + 1);
-          best = k1 > best ? k1 : best;
-        }
-      });
+  gemv_row_pairs<S::hidden>(kLmHeadPairs, sh.x, LmHeadRows<S>{lm_head}, [&](int p, float d0, float d1) {
+    const float l0 = bf16_round(d0), l1 = bf16_round(d1);
+    logits[2 * p] = l0;
+    const unsigned long long k0 = argmax_key(l0, 2 * p);
+    best = k0 > best ? k0 : best;
+    if (2 * p + 1 < S::vocab) {
+      logits[2 * p + 1] = l1;
+      const unsigned long long k1 = argmax_key(l1, 2 * p + 1);
+      best = k1 > best ? k1 : best;
+    }
+  });
   // Lane 0 of each warp holds its warp's best; reduce over the CTA, then over the grid.
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   if (lane == 0) sh.best[warp] = best;

@@ -22,12 +22,11 @@ import torch
 from cuda.core import Device, LaunchConfig, launch
 
 from .build import KernelCache, arch_for
-from .shape import THREADS, KernelShape
+from .shape import MAX_SPLITS, THREADS, KernelShape
 
 # decode_step.cu's enums and constants, mirrored.
 STATE_TOKEN, STATE_POS, STATE_ARGMAX, STATE_SLOTS = 0, 1, 2, 4
 COUNTER_SPLITS = 2  # counters: barrier, argmax-done, then one per KV head
-MAX_SPLITS = 64  # kMaxSplits
 STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "gate_up", "down")
 FINAL_STAGE = "lm_head"
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate", "w_up", "w_down")

@@ -15,9 +15,10 @@ from typing import Protocol
 THREADS = 512  # kThreads
 WARPS = THREADS // 32
 VEC_ELEMS = 8  # bf16 per 16-byte load
+MAX_SPLITS = 64  # kMaxSplits of attention.cuh
 HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
 STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
-SHARED_RESERVED = WARPS * (4 + 8)  # the reduce and best arrays beside the union
+SHARED_RESERVED = WARPS * (4 + 8) + 16  # the reduce and best arrays beside the union, and alignment
 FLOAT_BYTES = 4
 BF16_BYTES = 2
 KERNEL_NAME = "megakernel::decode_step"
@@ -106,7 +107,12 @@ class KernelShape:
         """SharedStorage<S> of decode_step.cu: max(GEMV input, attention buffers) + reductions."""
         group_elems = self.group * self.head_dim
         merge_slots = WARPS // 2
-        attention = FLOAT_BYTES * (group_elems + merge_slots * (group_elems + 2 * self.group)) + FLOAT_BYTES
+        attention_floats = (
+            group_elems  # q
+            + merge_slots * (group_elems + 2 * self.group)  # merge_max, merge_sum, merge_acc
+            + self.group * MAX_SPLITS + self.group  # split_weight, inv_total
+        )
+        attention = FLOAT_BYTES * attention_floats + FLOAT_BYTES  # + is_last_split
         return max(BF16_BYTES * self.max_input, attention) + SHARED_RESERVED
 
     @property

@@ -77,9 +77,10 @@ class MegakernelEngine(Engine):
         tier: Tier | str = Tier.LATENCY,
         model_name: str | None = None,
     ) -> None:
-        self.device = torch.device(device)
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError(f"MegakernelEngine needs a CUDA device, got {device!r}")
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"MegakernelEngine needs a CUDA device, got {str(device)!r}")
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         if dtype not in KERNEL_DTYPES:
             raise ValueError(f"MegakernelEngine runs bf16 weights; dtype {dtype!r} is not supported")
         torch.cuda.set_device(self.device)

@@ -5,12 +5,17 @@ kernel rounds where the bf16 reference rounds but sums in another order (fp32 do
 over lanes, warps and attention splits vs cuBLAS and SDPA), and the tiny test models (weights
 scaled up so attention is far from uniform) amplify a one-ulp difference through the layers: the
 bf16 reference itself lands ~1e-2 from a float32 run of the same weights (measured on H200,
-||ref16 - ref32|| / ||ref32|| up to ~2e-2). So the oracle is the float32 reference, and the kernel
-must be as close to it as the bf16 reference is: error <= NOISE_FACTOR x the bf16 reference's
-error + NOISE_FLOOR, and never above MAX_RTOL. A real bug (wrong head, position, mask, norm or
+||ref16 - ref32|| / ||ref32|| of a few 1e-2, more at long contexts). So the oracle is the float32
+reference, and the kernel must be as close to it as the bf16 reference is: error <= NOISE_FACTOR x
+the bf16 reference's error + NOISE_FLOOR, and never above MAX_RTOL. The same rule holds for the
+keys and values the kernel appends to the cache. A real bug (wrong head, position, mask, norm or
 RoPE) moves logits by O(1). Against transformers (bf16, its own rounding points) HF_RTOL = 5e-2.
-Greedy decoding: at a near tie of the reference's top two logits (gap below TIE_FRACTION of the
-largest logit) either choice is right; anywhere else the tokens must agree, over 256 tokens.
+Greedy decoding (256 tokens; the bf16 and float32 references teacher-forced with the kernel's
+tokens): where kernel and bf16 reference disagree, the reference's gap between its choice and the
+kernel's must be within TIE_NOISE_FACTOR x the largest logit difference between them at that step
+(a near tie that bf16 noise decides). And the kernel must disagree with the float32 oracle no more
+often than the bf16 reference does (x NOISE_FACTOR, + TIE_SLACK): on the 3-layer Llama 3.1 shape
+both pick another token than float32 at ~5% of steps, whereas a real bug disagrees at most steps.
 """
 
 from __future__ import annotations
@@ -23,12 +28,11 @@ from megaserve.replicas.models import load_model
 
 NOISE_FACTOR = 2.0
 NOISE_FLOOR = 5e-3
-MAX_RTOL = 6e-2
+MAX_RTOL = 0.3
 HF_RTOL = 5e-2
-KV_RTOL = 2e-2  # one layer's projection + norm + RoPE: a few bf16 roundings
 GREEDY_TOKENS = 256
-TIE_FRACTION = 0.05
-MAX_TIES = GREEDY_TOKENS // 20
+TIE_NOISE_FACTOR = 2.0
+TIE_SLACK = 4
 DEVICE = "cuda"
 
 
@@ -82,9 +86,11 @@ def test_step_logits_match_reference(tiny_model_dir, kernel_cache, prompt_len):
             pos, kernel_error, reference_error)
         for layer in range(model.config.num_layers):
             for name in ("k", "v"):
-                new = getattr(mk_cache, name)[layer][0, :, pos]
-                expected = getattr(ref_cache, name)[layer][0, :, pos]
-                assert relative_error(new, expected) < KV_RTOL, (name, layer, pos)
+                oracle = getattr(cache32, name)[layer][0, :, pos]
+                kv_error = relative_error(getattr(mk_cache, name)[layer][0, :, pos], oracle)
+                kv_reference_error = relative_error(getattr(ref_cache, name)[layer][0, :, pos], oracle)
+                assert kv_error <= min(MAX_RTOL, NOISE_FACTOR * kv_reference_error + NOISE_FLOOR), (
+                    name, layer, pos, kv_error, kv_reference_error)
         assert step.state[1].item() == pos + 1  # the kernel advanced the position
         assert step.next_token.item() == int(out.argmax())
 
@@ -106,33 +112,42 @@ def test_logits_match_transformers(tiny_model_dir, kernel_cache):
 
 def test_greedy_tokens_agree_with_reference(tiny_model_dir, kernel_cache):
     model = load_model(tiny_model_dir, DEVICE, torch.bfloat16)
+    model32 = load_model(tiny_model_dir, DEVICE, torch.float32)
     prompt = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     max_seq = len(prompt) + GREEDY_TOKENS + 1
-    ref_cache, mk_cache = model.new_cache(1, max_seq), model.new_cache(1, max_seq)
+    ref_cache, mk_cache, cache32 = (m.new_cache(1, max_seq) for m in (model, model, model32))
     first = int(prefill(model, ref_cache, prompt).argmax())
     prefill(model, mk_cache, prompt)
+    prefill(model32, cache32, prompt)
 
     step = DecodeStep(model, mk_cache, 0, kernel_cache)
     step.set_position(first, len(prompt))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # the state in device memory advances token and position
         step.launch()
-    produced = []
+    produced, kernel_logits = [], []
     for _ in range(GREEDY_TOKENS):
         graph.replay()
         produced.append(step.next_token.item())
+        kernel_logits.append(step.logits.clone())
 
-    # Teacher-force the reference with the kernel's tokens, so one near-tie does not derail the rest.
-    ties, token = 0, first
+    # Teacher-force both references with the kernel's tokens, so one near tie does not derail the rest.
+    kernel_misses = reference_misses = 0  # steps where a bf16 implementation and float32 disagree
+    token = first
     for index, chosen in enumerate(produced):
-        ref = reference_step(model, ref_cache, token, len(prompt) + index)
+        pos = len(prompt) + index
+        ref, ref32 = reference_step(model, ref_cache, token, pos), reference_step(model32, cache32, token, pos)
+        assert chosen == int(kernel_logits[index].argmax())
         best = int(ref.argmax())
         if chosen != best:
             gap = (ref[best] - ref[chosen]).item()
-            assert gap < TIE_FRACTION * ref.abs().max().item(), f"token {index}: {chosen} vs {best}, gap {gap}"
-            ties += 1
+            noise = (kernel_logits[index] - ref).abs().max().item()
+            assert gap <= TIE_NOISE_FACTOR * noise, f"token {index}: {chosen} vs {best}, gap {gap}, noise {noise}"
+        oracle = int(ref32.argmax())
+        kernel_misses += chosen != oracle
+        reference_misses += best != oracle
         token = chosen
-    assert ties <= MAX_TIES, f"{ties} near-tie disagreements in {GREEDY_TOKENS} tokens"
+    assert kernel_misses <= NOISE_FACTOR * reference_misses + TIE_SLACK, (kernel_misses, reference_misses)
 
 
 def test_stage_timestamps(tiny_model_dir, kernel_cache):
