@@ -5,7 +5,7 @@ each context length, one run measures:
 
   megakernel      one persistent launch per step (kernels/), replayed as a one-node CUDA graph
   eager           the reference forward, op by op from Python
-  cuda-graph      the same ops captured once in a CUDA graph and replayed
+  cuda-graph      the same forward (cache view bound up front) captured in a CUDA graph
   compile+graph   torch.compile (inductor) of the same step, captured in a CUDA graph
 
 and reports ms/step, tokens/s, kernel launches per step (counted with torch.profiler) and the
@@ -28,14 +28,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from megaserve.kernels.build import KernelCache
 from megaserve.kernels.launcher import DecodeStep
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.replicas.models import Model, ModelConfig
 from megaserve.replicas.models.decoder import expected_shapes
-from megaserve.replicas.models.rope import apply_rope, rope_cos_sin
 
 # The shapes of the real checkpoints' config.json (only what ModelConfig reads).
 _LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -147,39 +145,6 @@ def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def static_forward(model: Model, cache, context: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The reference decode step for one token with the cache view fixed at `context` + 1 keys, so
-    that it needs no host sync (the reference reads positions.max()) and a CUDA graph can hold it.
-    Same ops as Model.forward: RMSNorm, projections, RoPE, SDPA with a causal mask, SwiGLU."""
-    config = model.config
-    slots = torch.zeros(1, dtype=torch.long, device=model.device)
-    keys = torch.arange(context + 1, device=model.device)
-
-    def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [1, 1] each
-        mask = keys <= positions[:, None, :, None]
-        cos, sin = rope_cos_sin(model.rope_inv_freq, positions, model.dtype)
-        hidden = model.embed[ids]
-        for layer, k_cache, v_cache in zip(model.layers, cache.k, cache.v):
-            x = model._rms_norm(hidden, layer.attn_norm)
-            q = F.linear(x, layer.wq).view(1, 1, config.num_heads, config.head_dim)
-            k = F.linear(x, layer.wk).view(1, 1, config.num_kv_heads, config.head_dim)
-            v = F.linear(x, layer.wv).view(1, 1, config.num_kv_heads, config.head_dim)
-            if config.qk_norm:
-                q, k = model._rms_norm(q, layer.q_norm), model._rms_norm(k, layer.k_norm)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_cache[slots[:, None], :, positions] = k
-            v_cache[slots[:, None], :, positions] = v
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k_cache[:1, :, : context + 1], v_cache[:1, :, : context + 1],
-                attn_mask=mask, scale=config.head_dim**-0.5, enable_gqa=True,
-            )
-            hidden = hidden + F.linear(out.transpose(1, 2).reshape(1, 1, -1), layer.wo)
-            hidden = hidden + model._mlp(layer, model._rms_norm(hidden, layer.mlp_norm))
-        return F.linear(model._rms_norm(hidden, model.final_norm), model.lm_head).float()
-
-    return forward
-
-
 def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...], kernel_cache: KernelCache,
                 bandwidth: float, log: Callable[[str], None]) -> list[Result]:
     device = torch.device("cuda")
@@ -210,7 +175,10 @@ def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...], 
             def eager() -> torch.Tensor:
                 return model.forward(ids, positions, cache, slots)
             record("eager", time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager))
-        forward = static_forward(model, cache, context)
+        def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            # the reference forward with its cache view bound up front: no host sync, capturable
+            return model.forward(ids, positions, cache, slots, context_len=context + 1)
+
         if "cuda-graph" in methods:
             graph = capture(lambda: forward(ids, positions))
             record("cuda-graph", time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay))
