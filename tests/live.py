@@ -115,7 +115,7 @@ def start_stack(app_args: dict, home: Path) -> LiveStack:
     args["metrics"] = {"port": metrics_port, "bind_host": "127.0.0.1",
                        "multiproc_dir": str(home / "metrics")}
     config = AppConfig.model_validate(args)
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=ray_metrics_port,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _metrics_export_port=ray_metrics_port,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "token"}})
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     serve.run(build_app(config), name="megaserve", route_prefix="/")
