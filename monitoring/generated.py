@@ -14,21 +14,17 @@ from typing import Callable
 import yaml
 
 
-class _Block(str):
-    """A multi-line string that YAML writes as a literal block, so the file stays readable."""
-
-
 class _Dumper(yaml.SafeDumper):
     pass
 
 
 def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    """Multi-line strings (PromQL, dashboard JSON) as literal blocks, so the files stay readable."""
     style = "|" if "\n" in text else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
 
 
 _Dumper.add_representer(str, _represent_str)
-_Dumper.add_representer(_Block, _represent_str)
 
 
 def to_yaml(document: object, generated_by: str) -> str:

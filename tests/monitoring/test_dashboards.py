@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
-from tests.monitoring import prometheus_server
 from megaserve.monitoring import dashboards, metrics
+from tests.monitoring import prometheus_server
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"

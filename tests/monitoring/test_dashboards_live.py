@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 
 import httpx
@@ -92,3 +93,12 @@ def test_panel_query_returns_data_from_the_live_app(loaded, expr):
         assert time.monotonic() < deadline, f"no data for {query}"
         time.sleep(1.0)
     assert all(v >= 0 for v in values if math.isfinite(v))
+
+
+def test_model_variable_lists_the_served_model(loaded):
+    for text in dashboards.render().values():
+        (variable,) = [v for v in json.loads(text)["templating"]["list"] if v["name"] == "model"]
+        # Grafana's label_values(metric, label) is the label's values over the metric's series.
+        metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variable["query"]).groups()
+        values = {sample["metric"][label] for sample in loaded.query(f"count by ({label}) ({metric})")}
+        assert values == {MODEL}
