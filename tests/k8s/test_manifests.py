@@ -24,6 +24,7 @@ KUBERNETES_VERSION = "1.33"
 GPU = "nvidia.com/gpu"
 RAY_METRICS_PORT_NAME = "metrics"
 MEGASERVE_METRICS_PORT_NAME = "megaserve-metrics"
+LAST_APPLIED_ANNOTATION_LIMIT_BYTES = 256 * 1024
 
 
 def _documents() -> list[dict]:
@@ -202,6 +203,9 @@ def test_dashboards_config_map_is_for_grafanas_sidecar():
     configmap = _one("ConfigMap")
     assert configmap["metadata"]["labels"] == {"grafana_dashboard": "1"}
     assert configmap["data"] == dashboards.render()
+    # `kubectl apply` keeps the whole object in an annotation, which may not exceed 256 KiB.
+    size = len((K8S / dashboards.CONFIGMAP_FILE).read_bytes())
+    assert size < LAST_APPLIED_ANNOTATION_LIMIT_BYTES, size
 
 
 def test_prometheus_rule_is_the_generated_alert_rules():
