@@ -17,7 +17,7 @@ from tests.live import SCRAPE_INTERVAL_SECONDS, wait_until
 pytestmark = pytest.mark.integration
 
 MODEL = "megaserve-demo"
-# The whole load falls inside this window, however long the session ran before this module.
+# The whole load falls inside this window, however long the tests before this module ran.
 RATE_WINDOW = "5m"
 DATA_TIMEOUT_SECONDS = 30.0
 FIRST_SCRAPE_TIMEOUT_SECONDS = 60.0
