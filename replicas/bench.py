@@ -23,8 +23,9 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,13 +43,15 @@ BENCH_CONFIGS = {
     "Llama-3.2-1B": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
         "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_SCALING, "factor": 32.0},
+        "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_SCALING, "factor": 32.0},
         "max_position_embeddings": 131072, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
     },
     "Llama-3.1-8B": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_SCALING, "factor": 8.0},
+        "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_SCALING, "factor": 8.0},
         "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
     "Qwen3-8B": {
@@ -76,12 +79,13 @@ class Result:
     model: str
     context: int
     method: str
-    ms_per_step: float
-    tokens_per_second: float
-    launches_per_step: int
-    roofline_fraction: float
+    ms_per_step: float = float("nan")
+    tokens_per_second: float = float("nan")
+    launches_per_step: int = 0
+    roofline_fraction: float = float("nan")
     stage_ms: dict[str, float] = field(default_factory=dict)
     timing_cost_ms: float | None = None
+    error: str | None = None  # set (and the figures NaN) when this method failed to run
 
 
 def random_model(config: ModelConfig, device: torch.device) -> Model:
@@ -111,9 +115,7 @@ def step_bytes(model: Model, context: int) -> int:
 def read_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large reduction over a buffer far larger than L2."""
     data = torch.empty(BANDWIDTH_PROBE_BYTES // BF16_BYTES, dtype=torch.bfloat16, device=device).normal_()
-    seconds = time_steps(lambda: data.sum(), TIMED_STEPS // 5)
-    del data
-    return BANDWIDTH_PROBE_BYTES / seconds
+    return BANDWIDTH_PROBE_BYTES / time_steps(data.sum, TIMED_STEPS // 5)
 
 
 def time_steps(step: Callable[[], object], count: int) -> float:
@@ -147,50 +149,69 @@ def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
 
 def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...], kernel_cache: KernelCache,
                 bandwidth: float, log: Callable[[str], None]) -> list[Result]:
-    device = torch.device("cuda")
-    config = ModelConfig.from_hf_dict(BENCH_CONFIGS[name])
-    model = random_model(config, device)
+    model = random_model(ModelConfig.from_hf_dict(BENCH_CONFIGS[name]), torch.device("cuda"))
     results = []
     for context in contexts:
-        max_seq = context + 2 * (WARMUP_STEPS + REPEATS * TIMED_STEPS) + 1
-        cache = model.new_cache(1, max_seq)
-        for tensor in (*cache.k, *cache.v):
-            tensor.normal_(0.0, CACHE_STD)
         floor_bytes = step_bytes(model, context + 1)
-
-        def record(method: str, seconds: float, launches: int, **extra) -> None:
+        for method, measured in bench_context(model, context, methods, kernel_cache):
+            if isinstance(measured, Exception):  # a baseline that this torch cannot run
+                results.append(Result(name, context, method, error=f"{type(measured).__name__}: {measured}"))
+                log(f"{name} ctx={context} {method}: failed: {results[-1].error.splitlines()[0]}")
+                continue
+            seconds, launches, extra = measured
             result = Result(name, context, method, seconds * 1e3, 1 / seconds, launches,
                             floor_bytes / seconds / bandwidth, **extra)
             results.append(result)
             log(f"{name} ctx={context} {method}: {result.ms_per_step:.3f} ms/step, {launches} launches, "
                 f"{100 * result.roofline_fraction:.1f}% of roofline")
-
-        if "megakernel" in methods:
-            seconds, launches, stage_ms, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
-            record("megakernel", seconds, launches, stage_ms=stage_ms, timing_cost_ms=timing_cost_ms)
-        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-        positions = torch.full((1, 1), context, dtype=torch.long, device=device)
-        slots = torch.zeros(1, dtype=torch.long, device=device)
-        if "eager" in methods:
-            def eager() -> torch.Tensor:
-                return model.forward(ids, positions, cache, slots)
-            record("eager", time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager))
-        def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            # the reference forward with its cache view bound up front: no host sync, capturable
-            return model.forward(ids, positions, cache, slots, context_len=context + 1)
-
-        if "cuda-graph" in methods:
-            graph = capture(lambda: forward(ids, positions))
-            record("cuda-graph", time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay))
-            del graph
-        if "compile+graph" in methods:
-            compiled = torch.compile(forward, dynamic=False)
-            graph = capture(lambda: compiled(ids, positions))
-            record("compile+graph", time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay))
-            del graph, compiled
-        del cache
         torch.cuda.empty_cache()
     return results
+
+
+@torch.no_grad()
+def bench_context(
+    model: Model, context: int, methods: tuple[str, ...], kernel_cache: KernelCache
+) -> Iterator[tuple[str, tuple[float, int, dict] | Exception]]:
+    """(method, (seconds per step, launches per step, extra Result fields)) at `context` keys, one
+    method at a time; a PyTorch baseline that fails yields its exception instead."""
+    device = model.device
+    cache = model.new_cache(1, context + 2 * (WARMUP_STEPS + REPEATS * TIMED_STEPS) + 1)
+    for tensor in (*cache.k, *cache.v):
+        tensor.normal_(0.0, CACHE_STD)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    positions = torch.full((1, 1), context, dtype=torch.long, device=device)
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+
+    def eager() -> torch.Tensor:
+        return model.forward(ids, positions, cache, slots)
+
+    def bound(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # the cache view bound up front: no host sync, so a CUDA graph can hold it
+        return model.forward(ids, positions, cache, slots, context_len=context + 1)
+
+    def bound_for_compile(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # The same reference forward without its inference_mode wrapper: inductor (torch 2.11)
+        # fails on inference tensors ("weakref to UntypedStorage"); no_grad is in force here.
+        return Model.forward.__wrapped__(model, ids, positions, cache, slots, context_len=context + 1)
+
+    def graphed(step: Callable[[], object]) -> tuple[float, int, dict]:
+        graph = capture(step)
+        return time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay), {}
+
+    if "megakernel" in methods:
+        seconds, launches, stage_ms, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
+        yield "megakernel", (seconds, launches, {"stage_ms": stage_ms, "timing_cost_ms": timing_cost_ms})
+    baselines = {
+        "eager": lambda: (time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager), {}),
+        "cuda-graph": lambda: graphed(lambda: bound(ids, positions)),
+        "compile+graph": lambda: graphed(partial(torch.compile(bound_for_compile, dynamic=False), ids, positions)),
+    }
+    for method, run in baselines.items():
+        if method in methods:
+            try:
+                yield method, run()
+            except Exception as error:  # noqa: BLE001 - reported in the table, the run goes on
+                yield method, error
 
 
 def bench_megakernel(
@@ -217,12 +238,17 @@ def format_table(results: list[Result], bandwidth: float) -> str:
     lines = [f"HBM read bandwidth (reduction): {bandwidth / 1e9:,.0f} GB/s",
              f"{'model':<14} {'ctx':>5} {'method':<14} {'ms/step':>8} {'tok/s':>8} {'launches':>8} {'roofline':>8}"]
     for r in results:
+        if r.error:
+            lines.append(f"{r.model:<14} {r.context:>5} {r.method:<14} failed: {r.error.splitlines()[0][:60]}")
+            continue
         lines.append(f"{r.model:<14} {r.context:>5} {r.method:<14} {r.ms_per_step:>8.3f} {r.tokens_per_second:>8.0f} "
                      f"{r.launches_per_step:>8} {100 * r.roofline_fraction:>7.1f}%")
     for r in results:
         if r.stage_ms:
             stages = ", ".join(f"{k} {v:.3f}" for k, v in r.stage_ms.items())
-            lines.append(f"stages {r.model} ctx={r.context} (ms): {stages}; timing costs {r.timing_cost_ms:+.3f} ms/step")
+            lines.append(
+                f"stages {r.model} ctx={r.context} (ms): {stages}; timing costs {r.timing_cost_ms:+.3f} ms/step"
+            )
     return "\n".join(lines)
 
 
