@@ -107,7 +107,7 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
     )
     started = time.perf_counter()
     arrivals: list[float] = []
-    usage = None
+    usage = timing = None
     try:
         with urllib.request.urlopen(request) as response:
             tier = response.headers.get("x-megaserve-tier", "?")
@@ -117,6 +117,7 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
                     continue
                 chunk = json.loads(line[len(SSE_DATA):])
                 usage = chunk.get("usage") or usage
+                timing = chunk.get("timing") or timing  # the router's extension, with usage
                 for choice in chunk.get("choices", []):
                     piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                     if piece:
@@ -130,8 +131,10 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
     tokens = (usage or {}).get("completion_tokens", len(arrivals))
     ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")
     per_token = (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1) * 1e3 if arrivals else float("nan")
+    step = (timing or {}).get("mean_step_seconds")
     summary = {"tier": tier, "completion_tokens": tokens, "ttft_ms": round(ttft, 2),
-               "ms_per_token_client": round(per_token, 3), "total_s": round(total, 3)}
+               "ms_per_token_client": round(per_token, 3), "total_s": round(total, 3),
+               "engine_step_ms": None if step is None else round(step * 1e3, 3)}
     print(json.dumps(summary) if args.json else f"\n{summary}", file=sys.stdout if args.json else sys.stderr)
     return 0
 

@@ -51,3 +51,4 @@ def test_against_the_server_reports_the_tier(live_stack):
     assert result["tier"] == "latency"
     assert 1 <= result["completion_tokens"] <= 5
     assert result["ttft_ms"] > 0
+    assert result["engine_step_ms"] > 0  # the replica's own step time, reported by the router
