@@ -79,8 +79,9 @@ def source_files() -> dict[str, str]:
 
 
 def _options(arch: str) -> ProgramOptions:
-    include_dirs = [cuda.pathfinder.find_nvidia_header_directory(lib) for lib in ("cudart", "cccl")]
-    missing = [lib for lib, path in zip(("cudart", "cccl"), include_dirs) if path is None]
+    libraries = ("cudart", "cccl")
+    include_dirs = [cuda.pathfinder.find_nvidia_header_directory(lib) for lib in libraries]
+    missing = [lib for lib, path in zip(libraries, include_dirs, strict=True) if path is None]
     if missing:
         raise KernelBuildError(f"CUDA headers not found for {missing}: install cuda-toolkit[cudart,cccl]")
     return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(SOURCE_DIR), *include_dirs])
@@ -104,7 +105,9 @@ class KernelCache:
     def decode_step(self, shape: KernelShape, arch: str, timing: bool = False) -> CompiledKernel:
         """The cubin of decode_step for `shape` on `arch`, from the cache or freshly compiled."""
         if arch not in supported_archs() and arch.rstrip("a") not in supported_archs():
-            raise KernelBuildError(f"NVRTC {nvrtc_version()} cannot compile for {arch}; it supports {supported_archs()}")
+            raise KernelBuildError(
+                f"NVRTC {nvrtc_version()} cannot compile for {arch}; it supports {supported_archs()}"
+            )
         name_expression = shape.kernel_name(timing)
         sources = source_files()
         key = cache_key(sources, arch, name_expression)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -115,7 +114,8 @@ class DecodeStep:
         self.qkv = torch.empty(shape.q_dim + 2 * shape.kv_dim, dtype=KERNEL_DTYPE, device=dev)
         self.attn_out = torch.empty(shape.q_dim, dtype=KERNEL_DTYPE, device=dev)
         self.mlp_act = torch.empty(shape.intermediate, dtype=KERNEL_DTYPE, device=dev)
-        self.attn_partials = torch.empty(shape.heads * MAX_SPLITS * (shape.head_dim + 2), dtype=torch.float32, device=dev)
+        partials = shape.heads * MAX_SPLITS * (shape.head_dim + 2)  # per split: acc[head_dim], max, sum
+        self.attn_partials = torch.empty(partials, dtype=torch.float32, device=dev)
         self.logits = torch.empty(shape.vocab, dtype=torch.float32, device=dev)  # [V], bf16-exact values
         self.argmax_partials = torch.empty(self.grid, dtype=torch.int64, device=dev)
         self.stage_stamps = torch.zeros(2 + len(STAGES_PER_LAYER) * shape.layers, dtype=torch.int64, device=dev)
@@ -221,4 +221,6 @@ def _check_weights(model: DecodeModel, shape: KernelShape) -> None:
             raise ValueError(f"model.{name} must be a contiguous {KERNEL_DTYPE} tensor of shape {dims}, got {got}")
     inv_freq = model.rope_inv_freq
     if inv_freq.dtype != torch.float32 or tuple(inv_freq.shape) != (shape.head_dim // 2,):
-        raise ValueError(f"model.rope_inv_freq must be float32 [{shape.head_dim // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}")
+        raise ValueError(
+            f"model.rope_inv_freq must be float32 [{shape.head_dim // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}"
+        )
