@@ -14,18 +14,13 @@ sync per step is reading the new token id (to stream it and check stops). Greedy
 the kernel's on-GPU argmax; sampled ones run `replicas.sampling.sample` on the kernel's logits
 and write the drawn token into the kernel's input slot.
 
-Requests are validated as in TorchEngine (vocabulary, prompt + max_tokens within the context).
+Requests are validated, queued and streamed as in TorchEngine (`threaded.StepThreadEngine`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,19 +31,11 @@ from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import load_model
-from ..protocol import (
-    CoalescePolicy,
-    Engine,
-    EngineError,
-    EngineHealth,
-    FinishReason,
-    GenerateRequest,
-    StepOutput,
-    Tier,
-)
+from ..protocol import CoalescePolicy, FinishReason, Tier
 from ..sampling import SamplingRows, sample
 from .engine_metrics import EngineMetrics
-from .stream import RequestQueue, StreamOutbox, TokenStream
+from .stream import StreamOutbox
+from .threaded import Admission, StepThreadEngine
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +44,7 @@ KERNEL_DTYPES = (None, "auto", "bfloat16", torch.bfloat16)  # the kernel is writ
 SLOT = 0  # the one KV-cache row
 
 
-@dataclass(eq=False)
-class _Request:
-    request: GenerateRequest
-    stream: TokenStream
-    stop_ids: frozenset[int]
-
-
-class MegakernelEngine(Engine):
+class MegakernelEngine(StepThreadEngine):
     def __init__(
         self,
         model_dir: str | Path,
@@ -103,11 +83,8 @@ class MegakernelEngine(Engine):
         )
         self.metrics = EngineMetrics(self.tier, self.model_name)
 
-        self._queue: RequestQueue[_Request] = RequestQueue()
-        self._running: _Request | None = None
-        self._failure: str | None = None
-        self._thread = threading.Thread(target=self._run, name=f"megakernel-engine-{self.model_name}", daemon=True)
-        self._thread.start()
+        self._running: Admission | None = None
+        self._start_step_thread(f"megakernel-engine-{self.model_name}")
 
     def _capture(self, greedy: bool) -> torch.cuda.CUDAGraph:
         """A CUDA graph of one decode-step launch; position 0 is scratch until a request sets it."""
@@ -135,46 +112,11 @@ class MegakernelEngine(Engine):
 
     # --- the asyncio side ----------------------------------------------------------------------
 
-    def validate(self, request: GenerateRequest) -> None:
-        super().validate(request)
-        for token in request.prompt_token_ids:
-            if not 0 <= token < self.vocab_size:
-                raise EngineError(f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})")
-        prompt, wanted = len(request.prompt_token_ids), request.sampling.max_tokens
-        if prompt + wanted > self.max_context:
-            raise EngineError(
-                f"this model's maximum context length is {self.max_context} tokens, but "
-                f"{prompt + wanted} were requested ({prompt} in the prompt, {wanted} to generate); "
-                "shorten the prompt or lower max_tokens"
-            )
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        """Validate now (EngineError at the call), queue when iteration starts."""
-        if self._queue.closed:
-            raise EngineError("the engine is shut down")
-        self.validate(request)
-        return self._generate(request)
-
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        stream = TokenStream(len(request.prompt_token_ids), self.coalesce, asyncio.get_running_loop())
-        sampling = request.sampling
-        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_ids)
-        self._queue.put(_Request(request, stream, stop_ids), request.priority)
-        async with contextlib.aclosing(stream.outputs()) as outputs:
-            async for output in outputs:
-                yield output
-
-    async def health(self) -> EngineHealth:
-        alive = self._thread.is_alive()
-        detail = self._failure or ("" if alive else "the engine is shut down")
-        return EngineHealth(
-            healthy=alive and self._failure is None, detail=detail,
-            running_requests=int(self._running is not None), waiting_requests=len(self._queue),
-        )
+    def _running_count(self) -> int:
+        return int(self._running is not None)
 
     async def shutdown(self) -> None:
-        self._queue.close()
-        await asyncio.to_thread(self._thread.join)
+        await self._stop_step_thread()
         self._graphs = {}
         self.step = self.model = self.cache = None  # the thread is gone: free the device
         torch.cuda.empty_cache()
@@ -204,7 +146,7 @@ class MegakernelEngine(Engine):
         finally:
             self._abort_waiting()
 
-    def _serve(self, item: _Request) -> None:
+    def _serve(self, item: Admission) -> None:
         """Prefill, then decode until a stop condition or cancellation."""
         params = item.request.sampling
         rows = None if params.greedy else SamplingRows.build([params], self.vocab_size, self.device)
@@ -243,7 +185,7 @@ class MegakernelEngine(Engine):
             return int(logits[0].argmax())
         return sample(logits, rows, torch.tensor([len(prompt)], device=self.device), self.generator).item()
 
-    def _deliver(self, item: _Request, token: int, seconds: float, generated: int) -> bool:
+    def _deliver(self, item: Admission, token: int, seconds: float, generated: int) -> bool:
         """Stream `token`; True when the generation is over."""
         outbox = StreamOutbox()
         outbox.token(item.stream, token, seconds)
@@ -257,7 +199,7 @@ class MegakernelEngine(Engine):
         outbox.flush()
         return reason is not None
 
-    def _finish(self, item: _Request, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, item: Admission, reason: FinishReason, error: str | None = None) -> None:
         outbox = StreamOutbox()
         outbox.finish(item.stream, reason, error)
         outbox.flush()

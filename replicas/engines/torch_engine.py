@@ -14,7 +14,7 @@ Device synchronization: a step launches its work and waits for the device once, 
 the sampled token ids [B] to the host to stream them (and decide stops). Inputs of the next step
 are gathered on the device from the previous step's samples; the small per-step index tensors go
 up from pinned memory without blocking; the sampling parameters live on the device from admission.
-(The reference model itself reads positions.max() once per forward to size its cache view.)
+Each forward gets its attention length (`context_len`) from the host, so the model needs no sync.
 
 Requests are validated as vLLM does: token ids must be in the vocabulary and prompt + max_tokens
 must fit the context, else EngineError; the context limit therefore never cuts a generation
@@ -24,13 +24,9 @@ included in the streamed tokens, as generated; the router leaves it out of the t
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -40,20 +36,11 @@ from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import KVCache, load_model
-from ..protocol import (
-    CoalescePolicy,
-    Engine,
-    EngineError,
-    EngineHealth,
-    FinishReason,
-    GenerateRequest,
-    StepOutput,
-    Tier,
-)
+from ..protocol import CoalescePolicy, FinishReason, Tier
 from ..sampling import SamplingTable, sample
 from .engine_metrics import EngineMetrics
-from .stream import RequestQueue, StreamOutbox, TokenStream
-from .validation import check_context, check_token_ids
+from .stream import StreamOutbox
+from .threaded import Admission, StepThreadEngine
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +48,7 @@ ENGINE_LABEL = "torch"
 AUTO_DTYPE = "auto"  # the checkpoint's dtype on a GPU, float32 on the CPU (bf16 matmuls crawl there)
 
 
-@dataclass(eq=False)
-class _Sequence:
-    """A request's life inside the engine."""
-
-    request: GenerateRequest
-    stream: TokenStream
-    stop_ids: frozenset[int]
-    slot: int = -1
-    generated: int = 0
-
-    @property
-    def next_position(self) -> int:
-        """Where the newest token goes when it is fed back: prompt positions are 0..P-1."""
-        return len(self.request.prompt_token_ids) + self.generated - 1
-
-
-class TorchEngine(Engine):
+class TorchEngine(StepThreadEngine):
     def __init__(
         self,
         model_dir: str | Path,
@@ -116,12 +87,9 @@ class TorchEngine(Engine):
             self.launches_per_step
         )
 
-        self._queue: RequestQueue[_Sequence] = RequestQueue()
-        self._running: dict[int, _Sequence] = {}  # slot -> sequence; engine thread only
+        self._running: dict[int, Admission] = {}  # slot -> sequence; engine thread only
         self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() takes slot 0 first
-        self._failure: str | None = None
-        self._thread = threading.Thread(target=self._run, name=f"torch-engine-{self.model_name}", daemon=True)
-        self._thread.start()
+        self._start_step_thread(f"torch-engine-{self.model_name}")
 
     def _measure_launches(self) -> int:
         """Launches of one batch-1 decode step, counted once with the profiler: CUDA kernels on a
@@ -142,38 +110,11 @@ class TorchEngine(Engine):
 
     # --- the asyncio side ----------------------------------------------------------------------
 
-    def validate(self, request: GenerateRequest) -> None:
-        super().validate(request)
-        check_token_ids(request, self.vocab_size)
-        check_context(request, self.max_context)
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        """Validate now (EngineError at the call), queue when iteration starts."""
-        if self._queue.closed:
-            raise EngineError("the engine is shut down")
-        self.validate(request)
-        return self._generate(request)
-
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        stream = TokenStream(len(request.prompt_token_ids), self.coalesce, asyncio.get_running_loop())
-        sampling = request.sampling
-        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_ids)
-        self._queue.put(_Sequence(request, stream, stop_ids), request.priority)
-        async with contextlib.aclosing(stream.outputs()) as outputs:
-            async for output in outputs:
-                yield output
-
-    async def health(self) -> EngineHealth:
-        alive = self._thread.is_alive()
-        detail = self._failure or ("" if alive else "the engine is shut down")
-        return EngineHealth(
-            healthy=alive and self._failure is None, detail=detail,
-            running_requests=len(self._running), waiting_requests=len(self._queue),
-        )
+    def _running_count(self) -> int:
+        return len(self._running)
 
     async def shutdown(self) -> None:
-        self._queue.close()
-        await asyncio.to_thread(self._thread.join)
+        await self._stop_step_thread()
         self.model = self.cache = self.next_tokens = None  # the thread is gone: free the device
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -220,7 +161,7 @@ class TorchEngine(Engine):
             self._prefill(seq, outbox)
             outbox.flush()  # time to first token: do not wait for the decode step
 
-    def _prefill(self, seq: _Sequence, outbox: StreamOutbox) -> None:
+    def _prefill(self, seq: Admission, outbox: StreamOutbox) -> None:
         start = time.perf_counter()
         prompt = seq.request.prompt_token_ids
         slot_index = self._to_device([seq.slot])
@@ -256,7 +197,7 @@ class TorchEngine(Engine):
         for seq, token in zip(batch, token_ids):
             self._deliver(seq, token, seconds, outbox)
 
-    def _deliver(self, seq: _Sequence, token: int, seconds: float, outbox: StreamOutbox) -> None:
+    def _deliver(self, seq: Admission, token: int, seconds: float, outbox: StreamOutbox) -> None:
         seq.generated += 1
         outbox.token(seq.stream, token, seconds)
         if token in seq.stop_ids:
@@ -266,7 +207,7 @@ class TorchEngine(Engine):
             outbox.finish(seq.stream, FinishReason.LENGTH)
             self._release(seq)
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: Admission) -> None:
         del self._running[seq.slot]
         self._free_slots.append(seq.slot)
         self.metrics.request_ended()

@@ -1,0 +1,91 @@
+"""The asyncio side shared by the engines whose steps run on one background thread (TorchEngine,
+MegakernelEngine): validation at the call, a stream per request that follows the yield rule,
+queueing by priority, health, and the request record the step thread works on.
+
+A subclass sets `vocab_size`, `max_context`, `eos_ids` and `coalesce`, calls
+`_start_step_thread(name)` last in its constructor, and implements `_run` (the step loop, which
+must end every stream it holds) and `_running_count`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ..protocol import CoalescePolicy, Engine, EngineError, EngineHealth, GenerateRequest, StepOutput
+from .stream import RequestQueue, TokenStream
+from .validation import check_context, check_token_ids
+
+
+@dataclass(eq=False)
+class Admission:
+    """A request's life inside an engine."""
+
+    request: GenerateRequest
+    stream: TokenStream
+    stop_ids: frozenset[int]  # stop token ids, eos included unless ignore_eos
+    slot: int = -1  # KV-cache row while running
+    generated: int = 0
+
+    @property
+    def next_position(self) -> int:
+        """Where the newest token goes when it is fed back: prompt positions are 0..P-1."""
+        return len(self.request.prompt_token_ids) + self.generated - 1
+
+
+class StepThreadEngine(Engine):
+    vocab_size: int
+    eos_ids: frozenset[int]
+    coalesce: CoalescePolicy
+
+    def _start_step_thread(self, name: str) -> None:
+        self._queue: RequestQueue[Admission] = RequestQueue()
+        self._failure: str | None = None  # set by the step thread when a step raised
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @abc.abstractmethod
+    def _run(self) -> None:
+        """The step loop; runs on the engine thread until the queue is closed."""
+
+    @abc.abstractmethod
+    def _running_count(self) -> int:
+        """Requests being generated now."""
+
+    def validate(self, request: GenerateRequest) -> None:
+        super().validate(request)
+        check_token_ids(request, self.vocab_size)
+        check_context(request, self.max_context)
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        """Validate now (EngineError at the call), queue when iteration starts."""
+        if self._queue.closed:
+            raise EngineError("the engine is shut down")
+        self.validate(request)
+        return self._generate(request)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        stream = TokenStream(len(request.prompt_token_ids), self.coalesce, asyncio.get_running_loop())
+        sampling = request.sampling
+        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_ids)
+        self._queue.put(Admission(request, stream, stop_ids), request.priority)
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def health(self) -> EngineHealth:
+        alive = self._thread.is_alive()
+        detail = self._failure or ("" if alive else "the engine is shut down")
+        return EngineHealth(
+            healthy=alive and self._failure is None, detail=detail,
+            running_requests=self._running_count(), waiting_requests=len(self._queue),
+        )
+
+    async def _stop_step_thread(self) -> None:
+        """Close the queue and wait for the step thread, which aborts what it still holds."""
+        self._queue.close()
+        await asyncio.to_thread(self._thread.join)
