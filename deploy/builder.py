@@ -3,8 +3,8 @@
 Usable as the `import_path` of a Serve config (`megaserve.deploy.builder:build_app`, with the
 AppConfig as the application's `args`), by `serve run`, `serve deploy`, KubeRay's serveConfigV2
 and `megaserve up`. Resources are decided here and only here: GPUs per replica, placement-group
-bundles (STRICT_PACK, so a tensor-parallel group never straddles nodes), accelerator labels, and
-the environment every megaserve process starts with (the node's metrics folder).
+bundles (one node's share of a tensor-parallel group per bundle), accelerator types, node label
+selectors, and the environment every megaserve process starts with (the node's metrics folder).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from megaserve.router.settings import RouterSettings
 
 # NVLink multicast (NVLS) can take a shared host's GPUs out of service; never let NCCL use it.
 GPU_PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# Ray turns an actor's `accelerator_type: X` into a demand for this resource; inside a placement
+# group the demand must fit the bundle, so every bundle carries it (and lands on an X node).
+ACCELERATOR_RESOURCE_PREFIX = "accelerator_type:"
+ACCELERATOR_RESOURCE_DEMAND = 0.001
 
 
 def _process_env(config: AppConfig, env: Environment) -> dict[str, str]:
@@ -34,7 +38,9 @@ def _process_env(config: AppConfig, env: Environment) -> dict[str, str]:
 
 
 def _actor_options(tier: TierCommon, process_env: dict[str, str]) -> dict[str, Any]:
-    gpus = tier.tp_size if tier.device == "cuda" else 0
+    """The replica actor's own resources: its CPUs and the GPUs of its first node (all of the
+    tensor-parallel group's GPUs when the group fits one node)."""
+    gpus = tier.gpus_per_node
     env_vars = dict(process_env, **(GPU_PROCESS_ENV if gpus else {}))
     options: dict[str, Any] = {
         "num_cpus": tier.cpus_per_replica,
@@ -43,17 +49,37 @@ def _actor_options(tier: TierCommon, process_env: dict[str, str]) -> dict[str, A
     }
     if tier.accelerator_type is not None:
         options["accelerator_type"] = tier.accelerator_type
+    if tier.label_selector is not None:
+        options["label_selector"] = dict(tier.label_selector)
     return options
 
 
 def _placement(tier: TierCommon) -> dict[str, Any]:
-    """A tensor-parallel group takes all its GPUs in one bundle on one node."""
+    """One placement-group bundle per node of the tensor-parallel group.
+
+    Serve starts the replica actor in the first bundle, whose CPUs and GPUs are exactly the
+    actor's own (`_actor_options`). One node (nodes_per_replica 1): one STRICT_PACK bundle of all
+    tp_size GPUs. Several nodes: STRICT_SPREAD bundles of tp_size / nodes_per_replica GPUs each,
+    one per node; the replica actor holds the first node's GPUs, and the engine's ranks on the
+    other nodes are to be started in the other bundles (the replica's placement group is
+    captured by the tasks and actors it starts). Same-NVLink-domain placement of those nodes is
+    the cluster's job (k8s/rayservice.yaml keeps the latency pods in one NVLink clique)."""
     if tier.device != "cuda":
         return {}
-    return {
-        "placement_group_bundles": [{"CPU": tier.cpus_per_replica, "GPU": tier.tp_size}],
-        "placement_group_strategy": "STRICT_PACK",
+    gpus = {"GPU": tier.gpus_per_node}
+    if tier.accelerator_type is not None:
+        gpus[ACCELERATOR_RESOURCE_PREFIX + tier.accelerator_type] = ACCELERATOR_RESOURCE_DEMAND
+    bundles = [{"CPU": tier.cpus_per_replica, **gpus}]
+    bundles += [dict(gpus) for _ in range(tier.nodes_per_replica - 1)]
+    strategy = "STRICT_PACK" if tier.nodes_per_replica == 1 else "STRICT_SPREAD"
+    placement: dict[str, Any] = {
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": strategy,
     }
+    if tier.label_selector is not None:
+        placement["placement_group_bundle_label_selector"] = [
+            dict(tier.label_selector) for _ in bundles]
+    return placement
 
 
 def _engine_settings(tier_name: Tier, tier: TierCommon, config: AppConfig, env: Environment,

@@ -45,8 +45,16 @@ class TierCommon(_Strict):
     tp_size: int = Field(
         1, ge=1, description="GPUs per replica, driven as one tensor-parallel group (cuda only)."
     )
+    nodes_per_replica: int = Field(
+        1, ge=1, description="Nodes one replica's tensor-parallel group spans, each giving "
+        "tp_size / nodes_per_replica GPUs: e.g. 2 GB300 trays of 4 GPUs for TP8 (cuda only).",
+    )
     accelerator_type: str | None = Field(
         None, description="Ray accelerator label the replica must land on, e.g. `H200`, `GB300`.",
+    )
+    label_selector: dict[str, str] | None = Field(
+        None, description="Ray node labels every node of a replica must carry, e.g. "
+        "`{megaserve.io/tier: latency}` to keep a tier on its own KubeRay worker group.",
     )
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs reserved per replica.")
     max_seq_len: int = Field(
@@ -68,7 +76,17 @@ class TierCommon(_Strict):
             raise ValueError(f"tp_size must be 1, 2, 4 or 8, got {self.tp_size}")
         if self.device == "cpu" and self.accelerator_type is not None:
             raise ValueError("accelerator_type is only meaningful with device: cuda")
+        if self.device == "cpu" and self.nodes_per_replica != 1:
+            raise ValueError("nodes_per_replica > 1 needs device: cuda")
+        if self.tp_size % self.nodes_per_replica:
+            raise ValueError(f"tp_size ({self.tp_size}) must split evenly over nodes_per_replica "
+                             f"({self.nodes_per_replica})")
         return self
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs the replica takes on each of its nodes (0 on cpu)."""
+        return self.tp_size // self.nodes_per_replica if self.device == "cuda" else 0
 
 
 class LatencyTier(TierCommon):
@@ -81,6 +99,9 @@ class LatencyTier(TierCommon):
     def _engine_rules(self):
         if self.engine == "megakernel" and self.device != "cuda":
             raise ValueError("latency.engine megakernel needs latency.device: cuda")
+        if self.nodes_per_replica > 1 and self.resolved_engine != "megakernel":
+            raise ValueError("latency.nodes_per_replica > 1 needs engine megakernel (the torch "
+                             "engine runs on one device)")
         return self
 
     @property
@@ -110,6 +131,9 @@ class ThroughputTier(TierCommon):
     def _engine_rules(self):
         if self.engine == "sglang" and self.device != "cuda":
             raise ValueError("throughput.engine sglang needs throughput.device: cuda")
+        if self.nodes_per_replica > 1:
+            raise ValueError(f"throughput.nodes_per_replica > 1 is not supported by engine "
+                             f"{self.engine}: its tensor-parallel group runs on one node")
         if self.sglang_args and self.engine != "sglang":
             raise ValueError("throughput.sglang_args is only used with engine: sglang")
         if self.max_ongoing_requests < self.max_batch:

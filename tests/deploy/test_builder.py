@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ray.serve._private.config import ReplicaConfig
+
 from megaserve.deploy import builder
 from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE_TIMEOUT_SECONDS = 300
+
+
+class Probe:
+    """A stand-in replica class for Serve's option checks."""
 
 
 def _env(tmp_path) -> Environment:
@@ -18,12 +33,67 @@ def test_gpu_tier_takes_its_tp_group_in_one_strict_pack_bundle(tmp_path):
     env = builder._process_env(config, _env(tmp_path))
     options = builder._actor_options(config.latency, env)
     assert options["num_gpus"] == 8 and options["accelerator_type"] == "GB300"
+    assert "label_selector" not in options
     assert options["runtime_env"]["env_vars"]["NCCL_NVLS_ENABLE"] == "0"
     assert options["runtime_env"]["env_vars"]["PROMETHEUS_MULTIPROC_DIR"] == config.metrics.multiproc_dir
     assert builder._placement(config.latency) == {
-        "placement_group_bundles": [{"CPU": 4, "GPU": 8}],
+        "placement_group_bundles": [{"CPU": 4, "GPU": 8, "accelerator_type:GB300": 0.001}],
         "placement_group_strategy": "STRICT_PACK",
     }
+
+
+def test_tp_group_over_two_nodes_takes_one_strict_spread_bundle_per_node(tmp_path):
+    tier = {"megaserve.io/tier": "latency"}
+    config = AppConfig.model_validate(
+        {"latency": {"device": "cuda", "tp_size": 8, "nodes_per_replica": 2,
+                     "accelerator_type": "GB300", "label_selector": tier, "cpus_per_replica": 4}})
+    options = builder._actor_options(config.latency, builder._process_env(config, _env(tmp_path)))
+    # The replica actor is the first node's share: the first bundle's CPUs and GPUs.
+    assert options["num_gpus"] == 4 and options["num_cpus"] == 4
+    assert options["label_selector"] == tier
+    assert builder._placement(config.latency) == {
+        "placement_group_bundles": [{"CPU": 4, "GPU": 4, "accelerator_type:GB300": 0.001},
+                                    {"GPU": 4, "accelerator_type:GB300": 0.001}],
+        "placement_group_strategy": "STRICT_SPREAD",
+        "placement_group_bundle_label_selector": [tier, tier],
+    }
+
+
+def test_serve_accepts_the_placement_and_the_actor_fits_its_first_bundle(tmp_path):
+    config = AppConfig.model_validate(
+        {"latency": {"device": "cuda", "tp_size": 4, "nodes_per_replica": 2,
+                     "accelerator_type": "GB300", "label_selector": {"megaserve.io/tier": "l"}}})
+    options = builder._actor_options(config.latency, builder._process_env(config, _env(tmp_path)))
+    placement = builder._placement(config.latency)
+    ReplicaConfig.create(Probe, ray_actor_options=options, **placement)  # Serve's own checks
+    too_big = dict(options, num_gpus=config.latency.tp_size)
+    with pytest.raises(ValueError, match="first bundle"):
+        ReplicaConfig.create(Probe, ray_actor_options=too_big, **placement)
+
+
+def test_a_bad_label_selector_fails_when_the_app_is_built(tmp_path):
+    with pytest.raises(ValueError, match="label key"):
+        builder.build_app({"model": {"path": str(tmp_path)},
+                           "latency": {"label_selector": {"not a key!": "x"}}})
+
+
+def test_two_node_replicas_land_on_two_labelled_nodes_of_a_real_cluster():
+    """A real multi-node Ray cluster (three 2-GPU nodes, no GPUs needed) running Serve with the
+    builder's placement; in a process of its own, so that no other Ray of this test session
+    is in the way."""
+    result = subprocess.run([sys.executable, "-m", "tests.deploy.placement_probe"], cwd=REPO,
+                            capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    placed = json.loads(result.stdout.strip().splitlines()[-1])
+    spread, packed = placed["latency"], placed["throughput"]
+    assert spread["strategy"] == "STRICT_SPREAD" and packed["strategy"] == "STRICT_PACK"
+    # TP4 over two nodes: one bundle per latency node, the actor on the first with its 2 GPUs.
+    assert sorted(spread["bundle_nodes"]) == sorted(placed["nodes"]["latency"])
+    assert spread["actor_node"] == spread["bundle_nodes"][0] and len(spread["gpu_ids"]) == 2
+    # TP2 on one node: the throughput-labelled one.
+    assert packed["bundle_nodes"] == placed["nodes"]["throughput"] == [packed["actor_node"]]
+    assert len(packed["gpu_ids"]) == 2
 
 
 def test_cpu_tier_needs_no_gpu_and_no_placement_group(tmp_path):

@@ -38,6 +38,14 @@ def test_every_field_has_a_description():
     ({"throughput": {"max_batch": 64, "max_ongoing_requests": 8}}, "max_ongoing_requests"),
     ({"model": {"max_context": 4096}}, "shorter than model.max_context"),
     ({"latency": {"accelerator_type": "H200"}}, "accelerator_type"),
+    ({"latency": {"nodes_per_replica": 2}}, "nodes_per_replica > 1 needs device: cuda"),
+    ({"latency": {"device": "cuda", "tp_size": 4, "nodes_per_replica": 3}}, "must split evenly"),
+    ({"latency": {"device": "cuda", "tp_size": 2, "nodes_per_replica": 4}}, "must split evenly"),
+    ({"latency": {"device": "cuda", "engine": "torch", "tp_size": 8, "nodes_per_replica": 2}},
+     "needs engine megakernel"),
+    ({"throughput": {"device": "cuda", "engine": "sglang", "tp_size": 8, "nodes_per_replica": 2}},
+     "not supported by engine sglang"),
+    ({"latency": {"nodes_per_replica": 0}}, "nodes_per_replica"),
     ({"routing": {"latency_wait_seconds": -1}}, "latency_wait_seconds"),
     ({"unknown_section": {}}, "unknown_section"),
 ])
@@ -49,6 +57,13 @@ def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
 def test_cuda_latency_tier_picks_the_megakernel():
     config = AppConfig.model_validate({"latency": {"device": "cuda", "tp_size": 8}})
     assert config.latency.resolved_engine == "megakernel"
+
+
+def test_a_tp_group_over_two_nodes_takes_an_even_share_of_each():
+    config = AppConfig.model_validate(
+        {"latency": {"device": "cuda", "tp_size": 8, "nodes_per_replica": 2}})
+    assert config.latency.gpus_per_node == 4 and config.latency.resolved_engine == "megakernel"
+    assert AppConfig().latency.gpus_per_node == 0  # cpu
 
 
 def test_packaged_local_yaml_is_a_valid_serve_config_and_app_config():
