@@ -27,10 +27,15 @@ def _app_args(name: str) -> dict:
     return app["args"]
 
 
+def _built(name: str) -> dict:
+    """The app's deployments, as Serve's controller builds them: name -> Deployment."""
+    built = serve_build(build_app(_app_args(name)), name="megaserve")
+    return {d.name: d for d in built.deployments}
+
+
 def _deployments(name: str) -> dict:
     """What `serve build` would write for the app: deployment name -> DeploymentSchema."""
-    built = serve_build(build_app(_app_args(name)), name="megaserve")
-    return {d.name: deployment_to_schema(d) for d in built.deployments}
+    return {name: deployment_to_schema(d) for name, d in _built(name).items()}
 
 
 @pytest.mark.parametrize("name", HARDWARE)
@@ -48,7 +53,7 @@ def test_is_a_serve_config_whose_args_are_an_app_config(name):
 
 
 @pytest.mark.parametrize("name", HARDWARE)
-def test_every_gpu_replica_holds_its_tensor_parallel_group_on_one_node(name):
+def test_every_gpu_replica_takes_its_tensor_parallel_group_in_whole_nodes(name):
     accelerator, gpus_per_node = HARDWARE[name]
     config = AppConfig.model_validate(_app_args(name))
     deployments = _deployments(name)
@@ -56,12 +61,28 @@ def test_every_gpu_replica_holds_its_tensor_parallel_group_on_one_node(name):
                              ("ThroughputReplica", config.throughput)):
         schema = deployments[deployment]
         assert schema.num_replicas == tier.num_replicas
-        assert schema.ray_actor_options.num_gpus == tier.tp_size
         assert schema.ray_actor_options.accelerator_type == accelerator
-        assert schema.placement_group_strategy == "STRICT_PACK"
-        (bundle,) = schema.placement_group_bundles
-        assert bundle["GPU"] == tier.tp_size <= gpus_per_node
-        assert gpus_per_node % tier.tp_size == 0  # replicas pack a node without stranded GPUs
+        bundles = schema.placement_group_bundles
+        assert len(bundles) == tier.nodes_per_replica
+        assert sum(b["GPU"] for b in bundles) == tier.tp_size
+        # The replica actor holds its first node's GPUs, as Serve requires of the first bundle.
+        assert schema.ray_actor_options.num_gpus == bundles[0]["GPU"]
+        # Each node's share fits a node and packs it without stranded GPUs.
+        assert all(b["GPU"] <= gpus_per_node and gpus_per_node % b["GPU"] == 0 for b in bundles)
+        assert all(b[f"accelerator_type:{accelerator}"] > 0 for b in bundles)
+        assert schema.placement_group_strategy == (
+            "STRICT_PACK" if tier.nodes_per_replica == 1 else "STRICT_SPREAD")
+
+
+def test_gb300_latency_tier_is_tp8_over_two_trays():
+    _, gpus_per_tray = HARDWARE["gb300.yaml"]
+    latency = AppConfig.model_validate(_app_args("gb300.yaml")).latency
+    assert (latency.tp_size, latency.nodes_per_replica) == (8, 2)
+    assert latency.gpus_per_node == gpus_per_tray  # each replica takes two whole trays
+    # Ray 2.60's DeploymentSchema leaves the bundles' label selector out; the controller keeps it.
+    replica_config = _built("gb300.yaml")["LatencyReplica"]._replica_config
+    assert replica_config.placement_group_bundle_label_selector == [latency.label_selector] * 2
+    assert replica_config.ray_actor_options["label_selector"] == latency.label_selector
 
 
 def test_h200_config_fills_one_node_exactly():

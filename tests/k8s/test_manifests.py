@@ -22,6 +22,8 @@ K8S = REPO / "k8s"
 SCHEMAS = REPO.parent / "shared" / "schemas"
 KUBERNETES_VERSION = "1.33"
 GPU = "nvidia.com/gpu"
+GPUS_PER_GB300_TRAY = 4
+NVLINK_DOMAIN_LABEL = "nvidia.com/gpu.clique"  # one NVL72 rack's NVLink domain, per node
 RAY_METRICS_PORT_NAME = "metrics"
 MEGASERVE_METRICS_PORT_NAME = "megaserve-metrics"
 LAST_APPLIED_ANNOTATION_LIMIT_BYTES = 256 * 1024
@@ -81,6 +83,11 @@ def _pod_specs() -> dict[str, dict]:
     for group in cluster["workerGroupSpecs"]:
         specs[group["groupName"]] = group["template"]["spec"]
     return specs
+
+
+def _worker_group(name: str) -> dict:
+    (group,) = [g for g in _cluster()["workerGroupSpecs"] if g["groupName"] == name]
+    return group
 
 
 def _gpus(pod_spec: dict) -> int:
@@ -149,24 +156,47 @@ def test_gb300_pods_take_whole_trays(group):
     assert {("kubernetes.io/arch", "arm64"), (GPU, None)} <= tolerated
     (container,) = spec["containers"]
     assert container["resources"]["requests"][GPU] == container["resources"]["limits"][GPU]
+    assert _gpus(spec) == GPUS_PER_GB300_TRAY
 
 
-def test_worker_groups_differ_only_in_their_labels():
+def test_worker_groups_differ_only_in_their_labels_and_the_latency_pods_affinity():
     latency, throughput = (_pod_specs()[g] for g in ("latency", "throughput"))
-    assert latency == throughput
+    assert {k: v for k, v in latency.items() if k != "affinity"} == throughput
+    assert "affinity" not in throughput
 
 
 @pytest.mark.parametrize("tier", ["latency", "throughput"])
 def test_each_tier_fits_its_worker_group(tier):
     _, config = _app_config()
     settings = getattr(config, tier)
-    (group,) = [g for g in _cluster()["workerGroupSpecs"] if g["groupName"] == tier]
+    group = _worker_group(tier)
     gpus_per_pod = _gpus(group["template"]["spec"])
-    # A replica's STRICT_PACK bundle must fit in one pod, and the pods exactly hold the replicas.
-    assert settings.tp_size <= gpus_per_pod and gpus_per_pod % settings.tp_size == 0
+    # Each of a replica's nodes is one whole pod, and the pods exactly hold the replicas.
+    assert settings.gpus_per_node == gpus_per_pod
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert group["replicas"] == settings.num_replicas * settings.nodes_per_replica
     assert group["replicas"] * gpus_per_pod == settings.num_replicas * settings.tp_size
     assert settings.accelerator_type == "GB300"
+    # The tier's Ray label selector picks exactly its own group's Ray nodes.
+    assert settings.label_selector.items() <= group["labels"].items()
+    for other in _cluster()["workerGroupSpecs"]:
+        if other["groupName"] != tier:
+            assert not settings.label_selector.items() <= other.get("labels", {}).items()
+
+
+def test_tensor_parallel_groups_over_several_trays_stay_in_one_nvlink_domain():
+    _, config = _app_config()
+    assert config.latency.nodes_per_replica == 2  # TP8 over two trays: the case this guards
+    spec = _pod_specs()["latency"]
+    (term,) = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == NVLINK_DOMAIN_LABEL
+    # The term selects every latency pod (so all of them share one clique) and no other pod.
+    selector = term["labelSelector"]["matchLabels"].items()
+    cluster = _cluster()
+    templates = {g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}
+    templates["head"] = cluster["headGroupSpec"]["template"]
+    matched = {name for name, t in templates.items() if selector <= t["metadata"]["labels"].items()}
+    assert matched == {"latency"}
 
 
 @pytest.mark.parametrize("group", ["head", "latency", "throughput"])
@@ -178,8 +208,7 @@ def test_every_pod_serves_both_metrics_ports_from_an_in_memory_folder(group):
     assert ports[MEGASERVE_METRICS_PORT_NAME] == config.metrics.port
     env = {e["name"]: e["value"] for e in container["env"]}
     assert int(env["MEGASERVE_METRICS_PORT"]) == config.metrics.port
-    params = (_cluster()["headGroupSpec"] if group == "head" else
-              next(g for g in _cluster()["workerGroupSpecs"] if g["groupName"] == group))
+    params = _cluster()["headGroupSpec"] if group == "head" else _worker_group(group)
     assert ports[RAY_METRICS_PORT_NAME] == int(params["rayStartParams"]["metrics-export-port"])
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volume = next(v for v in spec["volumes"] if v["name"] == mounts[config.metrics.multiproc_dir])
