@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from megaserve.monitoring.promql import METRICS_JOB, RAY_JOB
+
 SCRAPE_INTERVAL_SECONDS = 1
 STARTUP_TIMEOUT_SECONDS = 240
 
@@ -48,7 +50,8 @@ class Prometheus:
     folder: Path
 
     @classmethod
-    def start(cls, targets: list[str]) -> "Prometheus":
+    def start(cls, jobs: dict[str, list[str]]) -> "Prometheus":
+        """Scrape `jobs`: job name -> host:port targets."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("the `prometheus` binary is missing (Debian package prometheus)")
@@ -56,7 +59,8 @@ class Prometheus:
         config = {
             "global": {"scrape_interval": f"{SCRAPE_INTERVAL_SECONDS}s",
                        "evaluation_interval": f"{SCRAPE_INTERVAL_SECONDS}s"},
-            "scrape_configs": [{"job_name": "megaserve", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
+                               for job, targets in jobs.items()],
         }
         (folder / "prometheus.yml").write_text(json.dumps(config))
         port = free_port()
@@ -122,7 +126,9 @@ def start_stack(app_args: dict, home: Path) -> LiveStack:
     base_url = f"http://127.0.0.1:{http_port}"
     wait_until(lambda: urllib.request.urlopen(base_url + "/health", timeout=5).status == 200,
                STARTUP_TIMEOUT_SECONDS, "the router's /health")
-    prometheus = Prometheus.start([f"127.0.0.1:{metrics_port}", f"127.0.0.1:{ray_metrics_port}"])
+    # The job names the dashboards, the alert rules and k8s/podmonitor.yaml use.
+    prometheus = Prometheus.start({METRICS_JOB: [f"127.0.0.1:{metrics_port}"],
+                                   RAY_JOB: [f"127.0.0.1:{ray_metrics_port}"]})
     return LiveStack(base_url, metrics_port, ray_metrics_port, prometheus, home)
 
 
