@@ -73,19 +73,19 @@ class RankDecoder:
         context_len = int(positions[0, -1]) + 1  # positions run consecutively: the last is the highest
         causal_mask = torch.arange(context_len) <= positions[:, None, :, None]  # [1, 1, T, context_len]
         cos, sin = rope_cos_sin(math.rope_inv_freq, positions, math.dtype)
-        return math._attention(
-            layer, math._rms_norm(hidden, layer.attn_norm), cos, sin, self.cache.k[index], self.cache.v[index],
+        return math.attention(
+            layer, math.rms_norm(hidden, layer.attn_norm), cos, sin, self.cache.k[index], self.cache.v[index],
             torch.tensor([SLOT]), positions, causal_mask,
         )
 
     def mlp_partial(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's intermediate slice's share of the MLP output [1, T, H]."""
         layer = self._math.layers[index]
-        return self._math._mlp(layer, self._math._rms_norm(hidden, layer.mlp_norm))
+        return self._math.mlp(layer, self._math.rms_norm(hidden, layer.mlp_norm))
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [vocab_per_rank] of this rank's vocabulary slice for hidden [H]; padding is -inf."""
-        logits = F.linear(self._math._rms_norm(hidden, self._math.final_norm), self._math.lm_head).float()
+        logits = F.linear(self._math.rms_norm(hidden, self._math.final_norm), self._math.lm_head).float()
         logits[self.shard.vocab_valid:] = float("-inf")
         return logits
 

@@ -187,21 +187,21 @@ class Model:
 
         hidden = self.embed[input_ids]  # [B, T, H]
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            attn_in = self._rms_norm(hidden, layer.attn_norm)
-            attn_out = self._attention(layer, attn_in, cos, sin, k_cache, v_cache, slots, positions, causal_mask)
+            attn_in = self.rms_norm(hidden, layer.attn_norm)
+            attn_out = self.attention(layer, attn_in, cos, sin, k_cache, v_cache, slots, positions, causal_mask)
             hidden = hidden + attn_out
-            hidden = hidden + self._mlp(layer, self._rms_norm(hidden, layer.mlp_norm))
+            hidden = hidden + self.mlp(layer, self.rms_norm(hidden, layer.mlp_norm))
         if last_only:
             hidden = hidden[:, -1]  # [B, H]
-        return F.linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
+        return F.linear(self.rms_norm(hidden, self.final_norm), self.lm_head).float()
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x * rsqrt(mean(x^2) + eps) in float32, cast back, times weight (as Hugging Face)."""
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * normed.to(x.dtype)
 
-    def _attention(
+    def attention(
         self,
         layer: Layer,
         x: torch.Tensor,  # [B, T, H], normed
@@ -219,8 +219,8 @@ class Model:
         k = F.linear(x, layer.wk).view(batch, length, config.num_kv_heads, config.head_dim)
         v = F.linear(x, layer.wv).view(batch, length, config.num_kv_heads, config.head_dim)
         if config.qk_norm:
-            q = self._rms_norm(q, layer.q_norm)
-            k = self._rms_norm(k, layer.k_norm)
+            q = self.rms_norm(q, layer.q_norm)
+            k = self.rms_norm(k, layer.k_norm)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         # Advanced indices [B, 1] and [B, T] around a slice: the indexed view is [B, T, kv_heads, head_dim].
@@ -235,5 +235,5 @@ class Model:
         )  # [B, heads, T, head_dim]
         return F.linear(out.transpose(1, 2).reshape(batch, length, -1), layer.wo)
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.silu(F.linear(x, layer.w_gate)) * F.linear(x, layer.w_up), layer.w_down)
