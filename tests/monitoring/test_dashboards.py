@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
 from megaserve.monitoring import dashboards, metrics
-from tests.monitoring import prometheus_server
+from tests import prometheus_server
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from megaserve.monitoring import dashboards
-from tests.live import SCRAPE_INTERVAL_SECONDS, wait_until
+from tests.live import wait_until
+from tests.prometheus_server import SCRAPE_INTERVAL_SECONDS
 
 pytestmark = pytest.mark.integration
 

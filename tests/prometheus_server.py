@@ -15,7 +15,7 @@ from typing import Iterator
 
 import yaml
 
-SCRAPE_INTERVAL = "1s"
+SCRAPE_INTERVAL_SECONDS = 1
 START_TIMEOUT_SECONDS = 30.0
 STOP_TIMEOUT_SECONDS = 10.0
 HTTP_TIMEOUT_SECONDS = 10.0
@@ -65,7 +65,8 @@ def running(jobs: dict[str, list[str]], workdir: Path) -> Iterator[Prometheus]:
     """Start Prometheus scraping `jobs` (job name -> host:port targets); stop it on exit."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = {
-        "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
+        "global": {"scrape_interval": f"{SCRAPE_INTERVAL_SECONDS}s",
+                   "evaluation_interval": f"{SCRAPE_INTERVAL_SECONDS}s"},
         "scrape_configs": [
             {"job_name": job, "static_configs": [{"targets": targets}]}
             for job, targets in jobs.items()
