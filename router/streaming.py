@@ -32,18 +32,24 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """The result of `work`, or ClientDisconnected after cancelling `work` if the client leaves."""
+    """The result of `work`, or ClientDisconnected after cancelling `work` if the client leaves.
+
+    `work` has ended whenever this returns or raises, also when the caller itself is cancelled
+    (Ray Serve cancels a request's task when its client leaves): the caller may then close the
+    generators `work` was running.
+    """
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        abandoned = not task.done()
+        if abandoned:
             task.cancel()
-    if task.cancelled() or not task.done():
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(task, return_exceptions=True)  # let it close its streams
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)  # let it close its streams
+    if abandoned:
         raise ClientDisconnected
     return task.result()
 

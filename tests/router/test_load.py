@@ -14,9 +14,17 @@ import pytest
 from megaserve.monitoring.metrics import FINISHED_REQUESTS, QUEUE_DEPTH, REJECTED_REQUESTS
 from megaserve.replicas.engines.torch_engine import TorchEngine
 from megaserve.replicas.protocol import Tier
+from megaserve.router.app import create_app
 from megaserve.router.backend import EngineBackend
 
-from .conftest import MODEL, HoldingEngine, running_requests, wait_until
+from .conftest import (
+    MODEL,
+    POLL_SECONDS,
+    HoldingEngine,
+    router_settings,
+    running_requests,
+    wait_until,
+)
 
 LONG = {"max_tokens": 1000, "ignore_eos": True}
 PRIORITY = {"model": MODEL, "prompt": "hold", "service_tier": "priority"}
@@ -162,3 +170,33 @@ def test_disconnect_while_queued_gives_up_the_place_in_the_queue(serve_router, h
     held.close()
     wait_until(lambda: httpx.get(url + "/health").json()["tiers"]["latency"]["in_flight"] == 0)
     assert holding[Tier.LATENCY].started == 1  # the one that left never reached the replica
+
+
+async def test_a_cancelled_request_task_gives_back_its_slot(demo_model_dir, tokenizer, holding, engines):
+    """Ray Serve cancels the task of a request whose client left (or that ran past its timeout)
+    rather than sending `http.disconnect`: the slot must come back and the replica stream close."""
+    app = create_app(router_settings(demo_model_dir), {Tier.LATENCY: EngineBackend(holding[Tier.LATENCY]),
+                                                        Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])},
+                     tokenizer)
+    body = json.dumps({**PRIORITY, **LONG}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")]}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()  # the client never says it left: the task is cancelled instead
+
+    async def send(message: dict) -> None:
+        pass
+
+    served = asyncio.create_task(app(scope, receive, send))
+    while holding[Tier.LATENCY].started == 0:
+        await asyncio.sleep(POLL_SECONDS)
+    served.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await served
+    assert app.state.router.admission.slots[Tier.LATENCY].in_flight == 0
+    assert holding[Tier.LATENCY].closed == 1
