@@ -13,8 +13,9 @@ Admitting: the router counts the requests (one slot per choice) it has in flight
 against the tier's capacity. A latency request that finds no free slot waits up to
 `latency_wait_seconds` in FIFO order, then spills over to throughput (reason "spillover") if
 `spillover` is on, else is refused. Throughput never spills to latency: a batch-1 replica is too
-precious for work that asked for bulk service. Refusals: 429 when the slots are taken, 503 when
-the tier has no healthy replica, both with Retry-After.
+precious for work that asked for bulk service. A deployment of one tier serves every request on
+that tier (reason "spillover" when it asked for the other). Refusals: 429 when the slots are
+taken, 503 when the tier has no healthy replica, both with Retry-After.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from megaserve.router.settings import RouterSettings
 
 TIER_HEADER = "x-megaserve-tier"
 SERVICE_TIER_TO_TIER = {"priority": Tier.LATENCY, "default": Tier.THROUGHPUT, "flex": Tier.THROUGHPUT}
+OTHER_TIER = {Tier.LATENCY: Tier.THROUGHPUT, Tier.THROUGHPUT: Tier.LATENCY}
 
 
 @dataclass(frozen=True)
@@ -140,17 +142,22 @@ class Admission:
             Tier.THROUGHPUT: settings.throughput_wait_seconds,
         }
 
+    def deployed(self, tier: Tier) -> bool:
+        return tier in self.backends and self.slots[tier].capacity > 0
+
     async def healthy(self, tier: Tier) -> bool:
-        backend = self.backends.get(tier)
-        return backend is not None and self.slots[tier].capacity > 0 and await backend.healthy_replicas() > 0
+        return self.deployed(tier) and await self.backends[tier].healthy_replicas() > 0
 
     async def admit(self, route: Route, slots: int) -> Lease:
-        """A lease on `route.tier`, on throughput after spillover, or an APIError (429/503)."""
+        """A lease on `route.tier`, on the other tier if that one alone is deployed, on throughput
+        after spillover, or an APIError (429/503)."""
+        if not self.deployed(route.tier):
+            route = Route(OTHER_TIER[route.tier], "spillover")
         if route.tier is Tier.LATENCY:
             healthy = await self.healthy(Tier.LATENCY)
             if healthy and await self._take(Tier.LATENCY, slots):
                 return self._routed(route, slots)
-            if not self.settings.spillover:
+            if not (self.settings.spillover and self.deployed(Tier.THROUGHPUT)):
                 raise self._refusal(Tier.LATENCY, unavailable=not healthy)
             route = Route(Tier.THROUGHPUT, "spillover")
         if not await self.healthy(Tier.THROUGHPUT):

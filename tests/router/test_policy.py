@@ -11,7 +11,7 @@ from megaserve.replicas.engines.torch_engine import TorchEngine
 from megaserve.replicas.protocol import Tier
 from megaserve.router.backend import EngineBackend
 from megaserve.router.errors import APIError
-from megaserve.router.policy import Admission, Route, TierSlots, choose_tier
+from megaserve.router.policy import Admission, Lease, Route, TierSlots, choose_tier
 from megaserve.router.settings import RouterSettings
 
 MODEL = "policy-test"
@@ -143,6 +143,22 @@ async def test_a_tier_without_healthy_replicas_is_503_or_spilled(demo_model_dir,
         await Admission(settings(), only_dead).admit(Route(Tier.THROUGHPUT, "policy"), 1)
     assert caught.value.status == 503 and caught.value.reason == "unavailable"
 
+
+
+async def test_a_one_tier_deployment_serves_everything_on_its_tier_and_is_429_when_full(engines):
+    for tier, other in ((Tier.LATENCY, Tier.THROUGHPUT), (Tier.THROUGHPUT, Tier.LATENCY)):
+        only = {tier: EngineBackend(engines[tier])}
+        admission = Admission(settings(spillover=False, **{f"{other.value}_capacity": 0}), only)
+        leases = [await admission.admit(Route(other, "requested"), 1)]
+        assert leases[0].route == Route(tier, "spillover")
+        while admission.slots[tier].take_now(1):  # fill the tier
+            leases.append(Lease(admission.slots[tier], 1, Route(tier, "policy")))
+        for route in (Route(tier, "policy"), Route(other, "requested")):
+            with pytest.raises(APIError) as caught:
+                await admission.admit(route, 1)
+            assert caught.value.status == 429 and tier.value in caught.value.message
+        for lease in leases:
+            lease.release()
 
 def test_settings_refuse_nonsense():
     with pytest.raises(ValueError, match="at least one tier"):
