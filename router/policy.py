@@ -15,7 +15,8 @@ against the tier's capacity. A latency request that finds no free slot waits up 
 `spillover` is on, else is refused. Throughput never spills to latency: a batch-1 replica is too
 precious for work that asked for bulk service. A deployment of one tier serves every request on
 that tier (reason "spillover" when it asked for the other). Refusals: 429 when the slots are
-taken, 503 when the tier has no healthy replica, both with Retry-After.
+taken, 503 when the tier has no healthy replica, both with Retry-After; 400 when `n` is more than
+the tier ever runs at once.
 """
 
 from __future__ import annotations
@@ -158,13 +159,13 @@ class Admission:
             if healthy and await self._take(Tier.LATENCY, slots):
                 return self._routed(route, slots)
             if not (self.settings.spillover and self.deployed(Tier.THROUGHPUT)):
-                raise self._refusal(Tier.LATENCY, unavailable=not healthy)
+                raise self._refusal(Tier.LATENCY, slots, unavailable=not healthy)
             route = Route(Tier.THROUGHPUT, "spillover")
         if not await self.healthy(Tier.THROUGHPUT):
-            raise self._refusal(Tier.THROUGHPUT, unavailable=True)
+            raise self._refusal(Tier.THROUGHPUT, slots, unavailable=True)
         if await self._take(Tier.THROUGHPUT, slots):
             return self._routed(route, slots)
-        raise self._refusal(Tier.THROUGHPUT, unavailable=False)
+        raise self._refusal(Tier.THROUGHPUT, slots, unavailable=False)
 
     async def _take(self, tier: Tier, slots: int) -> bool:
         if self.slots[tier].take_now(slots):
@@ -180,7 +181,11 @@ class Admission:
         ROUTED_REQUESTS.labels(tier=route.tier.value, model=self.settings.model_name, reason=route.reason).inc()
         return Lease(self.slots[route.tier], slots, route)
 
-    def _refusal(self, tier: Tier, *, unavailable: bool) -> APIError:
+    def _refusal(self, tier: Tier, slots: int, *, unavailable: bool) -> APIError:
+        capacity = self.slots[tier].capacity
+        if not unavailable and slots > capacity:  # waiting would never help
+            return invalid(f"n is {slots} but the {tier.value} tier runs at most {capacity} choices at once; "
+                           "ask for fewer", "n")
         state = "has no healthy replica" if unavailable else "is at capacity"
         return busy(f"the {tier.value} tier {state}; retry later",
                     self.settings.retry_after_seconds, unavailable=unavailable)

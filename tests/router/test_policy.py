@@ -160,6 +160,16 @@ async def test_a_one_tier_deployment_serves_everything_on_its_tier_and_is_429_wh
         for lease in leases:
             lease.release()
 
+
+async def test_more_choices_than_the_tier_ever_runs_at_once_is_a_400_not_a_429(engines):
+    admission = Admission(settings(), backends(engines))
+    for route in (Route(Tier.THROUGHPUT, "n"), Route(Tier.LATENCY, "header")):  # the latter spills over
+        with pytest.raises(APIError) as caught:
+            await admission.admit(route, 3)
+        assert caught.value.status == 400 and caught.value.param == "n"
+        assert "throughput" in caught.value.message and "2" in caught.value.message
+    assert admission.slots[Tier.THROUGHPUT].in_flight == 0
+
 def test_settings_refuse_nonsense():
     with pytest.raises(ValueError, match="at least one tier"):
         settings(latency_capacity=0, throughput_capacity=0)
