@@ -84,6 +84,7 @@ class MegakernelEngine(StepThreadEngine):
         self.metrics = EngineMetrics(self.tier, self.model_name)
 
         self._running: Admission | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None  # the running request's decode graph
         self._start_step_thread(f"megakernel-engine-{self.model_name}")
 
     def _capture(self, greedy: bool) -> torch.cuda.CUDAGraph:
@@ -117,7 +118,7 @@ class MegakernelEngine(StepThreadEngine):
 
     async def shutdown(self) -> None:
         await self._stop_step_thread()
-        self._graphs = {}
+        self._graphs, self._graph = {}, None
         self.step = self.model = self.cache = None  # the thread is gone: free the device
         torch.cuda.empty_cache()
 
@@ -133,21 +134,18 @@ class MegakernelEngine(StepThreadEngine):
                         continue
                     self._running = item
                     self.metrics.request_started()
-                    try:
-                        self._serve(item)
-                    finally:
-                        self._running = None
-                        self.metrics.request_ended()
+                    if not self._serve(item):
+                        return  # shut down mid-generation: _abort_all ends the stream
+                    self._release()
         except Exception as exc:  # a failed step ends the engine; Serve replaces an unhealthy replica
             logger.exception("megakernel engine step failed")
             self._failure = f"engine step failed: {type(exc).__name__}: {exc}"
-            if self._running is not None:
-                self._finish(self._running, FinishReason.ABORT, self._failure)
         finally:
-            self._abort_waiting()
+            self._abort_all()
 
-    def _serve(self, item: Admission) -> None:
-        """Prefill, then decode until a stop condition or cancellation."""
+    def _serve(self, item: Admission) -> bool:
+        """Prefill, then decode until a stop condition or cancellation (True: the stream is done),
+        or until the engine shuts down (False: the stream is still open)."""
         params = item.request.sampling
         rows = None if params.greedy else SamplingRows.build([params], self.vocab_size, self.device)
         prompt = item.request.prompt_token_ids
@@ -157,33 +155,47 @@ class MegakernelEngine(StepThreadEngine):
         self.metrics.prefill_step(seconds)
         generated = 1
         if self._deliver(item, token, seconds, generated):
-            return
-        self.step.set_position(token, len(prompt))
-        graph = self._graphs[params.greedy]
+            return True
+        self._begin_decode(token, len(prompt), params.greedy)
         while not item.stream.cancelled:
+            if self._queue.closed:
+                return False
             start = time.perf_counter()
-            graph.replay()
-            if rows is None:
-                token = self.step.next_token.item()  # the step's one sync
-            else:
-                position = self.step.state[1:2].long()  # the drawn token's position, on the device
-                drawn = sample(self.step.logits[None], rows, position, self.generator)
-                self.step.token_slot.copy_(drawn[0])
-                token = drawn.item()
+            token = self._decode_step(rows)
             seconds = time.perf_counter() - start
             self.metrics.decode_step(seconds)
             generated += 1
             if self._deliver(item, token, seconds, generated):
-                return
+                return True
+        return True
+
+    # The GPU work of a request: everything else in this class is control flow.
 
     def _prefill(self, prompt: tuple[int, ...], rows: SamplingRows | None) -> int:
         ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
         positions = torch.arange(len(prompt), device=self.device)[None]
         slots = torch.full((1,), SLOT, dtype=torch.int64, device=self.device)
-        logits = self.model.forward(ids, positions, self.cache, slots, last_only=True)  # [1, V]
+        logits = self.model.forward(
+            ids, positions, self.cache, slots, last_only=True, context_len=len(prompt)
+        )  # [1, V]; context_len known on the host: no sync before the token's
         if rows is None:
             return int(logits[0].argmax())
         return sample(logits, rows, torch.tensor([len(prompt)], device=self.device), self.generator).item()
+
+    def _begin_decode(self, token: int, position: int, greedy: bool) -> None:
+        """Make the next decode step feed `token` at `position`, through the graph for `greedy`."""
+        self.step.set_position(token, position)
+        self._graph = self._graphs[greedy]
+
+    def _decode_step(self, rows: SamplingRows | None) -> int:
+        """One decode step (a graph replay); the token it produced."""
+        self._graph.replay()
+        if rows is None:
+            return self.step.next_token.item()  # the step's one sync
+        position = self.step.state[1:2].long()  # the drawn token's position, on the device
+        drawn = sample(self.step.logits[None], rows, position, self.generator)
+        self.step.token_slot.copy_(drawn[0])
+        return drawn.item()
 
     def _deliver(self, item: Admission, token: int, seconds: float, generated: int) -> bool:
         """Stream `token`; True when the generation is over."""
@@ -199,13 +211,17 @@ class MegakernelEngine(StepThreadEngine):
         outbox.flush()
         return reason is not None
 
-    def _finish(self, item: Admission, reason: FinishReason, error: str | None = None) -> None:
-        outbox = StreamOutbox()
-        outbox.finish(item.stream, reason, error)
-        outbox.flush()
+    def _release(self) -> None:
+        self._running = None
+        self.metrics.request_ended()
 
-    def _abort_waiting(self) -> None:
-        """End every waiting stream with ABORT (shutdown or a failed step)."""
+    def _abort_all(self) -> None:
+        """End every stream, running or waiting, with ABORT (shutdown or a failed step)."""
         self._queue.close()
+        outbox = StreamOutbox()
+        if self._running is not None:
+            outbox.finish(self._running.stream, FinishReason.ABORT, self._failure)
+            self._release()
         for item in self._queue.drain():
-            self._finish(item, FinishReason.ABORT, self._failure)
+            outbox.finish(item.stream, FinishReason.ABORT, self._failure)
+        outbox.flush()
