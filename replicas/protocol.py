@@ -109,6 +109,13 @@ class CoalescePolicy:
     seconds: float = 0.005
     tokens: int = 16
 
+    def __post_init__(self) -> None:
+        # tokens < 1 would yield empty items forever; a negative timer is a typo, not a policy.
+        if self.tokens < 1:
+            raise ValueError(f"coalesce tokens must be at least 1, got {self.tokens}")
+        if self.seconds < 0:
+            raise ValueError(f"coalesce seconds must be >= 0, got {self.seconds}")
+
 
 class Engine(abc.ABC):
     """A model that turns token ids into more token ids. Implementations: TorchEngine (CPU or

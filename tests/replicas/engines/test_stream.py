@@ -135,3 +135,10 @@ def test_request_queue_wait_wakes_on_put_from_another_thread():
     queue.put("x")
     waiter.join(timeout=5)
     assert woke == [True] and queue.pop() == "x"
+
+
+@pytest.mark.parametrize(("seconds", "tokens"), [(0.005, 0), (-0.001, 16)])
+def test_a_coalesce_policy_that_could_never_yield_right_is_refused(seconds, tokens):
+    # tokens=0 once made TokenStream yield empty items forever after the first token.
+    with pytest.raises(ValueError, match="coalesce"):
+        CoalescePolicy(seconds=seconds, tokens=tokens)
