@@ -32,6 +32,7 @@ from megaserve.router.generation import Delta, Generation, GenerationFailed
 from megaserve.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    UNSUPPORTED_PARAMETER,
     GenerationRequest,
     ModelCard,
     ModelList,
@@ -284,6 +285,8 @@ def _validation_error(error: ValidationError) -> APIError:
     deepest = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
     if deepest["type"] == "json_invalid":
         return invalid(f"the body is not valid JSON: {deepest['msg'].removeprefix('Invalid JSON: ')}")
+    if deepest["type"] == UNSUPPORTED_PARAMETER:
+        return invalid(deepest["msg"], deepest["ctx"]["name"], UNSUPPORTED_PARAMETER)
     path = [str(part) for part in deepest["loc"] if not _is_union_tag(part)]
     if not path:
         return invalid(f"the body must be a JSON object: {deepest['msg']}")

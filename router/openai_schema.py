@@ -13,12 +13,14 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 ServiceTier = Literal["auto", "default", "flex", "priority"]
 OpenAIFinishReason = Literal["stop", "length", "abort"]
 
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; vLLM any number; matching cost grows with each
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
+UNSUPPORTED_PARAMETER = "unsupported_parameter"  # error type and OpenAI error code; ctx["name"]: the field
 
 
 class _Request(BaseModel):
@@ -101,7 +103,8 @@ class GenerationRequest(_Request):
         if isinstance(data, dict):
             for name, neutral in _UNSUPPORTED_NEUTRAL.items():
                 if name in data and data[name] not in neutral:
-                    raise ValueError(f"`{name}` is not supported by this server")
+                    raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server",
+                                              {"name": name})
         return data
 
     @field_validator("stop")

@@ -53,8 +53,8 @@ BAD_REQUESTS = {
     "n above the limit": (CHAT, chat(n=99), 400, "n"),
     "empty stop string": (CHAT, chat(stop=[""]), 400, "stop"),
     "too many stop strings": (CHAT, chat(stop=[str(i) for i in range(17)]), 400, "stop"),
-    "logprobs asked for": (CHAT, chat(logprobs=True), 400, None),
-    "tools given": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None),
+    "logprobs asked for": (CHAT, chat(logprobs=True), 400, "logprobs"),
+    "tools given": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
 }
 
 
@@ -72,6 +72,12 @@ def test_bad_request_gets_an_openai_error(router_url, path, content, status, par
 def test_context_errors_carry_openai_code(router_url):
     error = httpx.post(router_url + CHAT, content=chat(max_tokens=4000)).json()["error"]
     assert error["code"] == "context_length_exceeded" and "2048" in error["message"]
+
+
+def test_an_unsupported_field_is_named_as_the_error_s_param_and_code(router_url):
+    error = httpx.post(router_url + COMPLETIONS, content=completion(echo=True)).json()["error"]
+    assert error == {"message": "`echo` is not supported by this server", "type": "invalid_request_error",
+                     "param": "echo", "code": "unsupported_parameter"}
 
 
 def test_unknown_fields_are_ignored(router_url):
