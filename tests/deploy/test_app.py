@@ -94,7 +94,8 @@ async def test_busy_latency_tier_spills_over_to_throughput(aclient, live_stack):
 
 async def test_saturated_tiers_answer_429_with_retry_after(live_stack):
     async with httpx.AsyncClient(base_url=live_stack.base_url, timeout=120) as http:
-        body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 400,
+        # Long enough to outlast the three spillover waits below on a fast CPU (~2 ms a token).
+        body = {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 1000,
                 "ignore_eos": True}
         # capacity: 1 latency slot + 2 throughput slots; hold all three, then ask once more.
         holders = []
@@ -127,6 +128,20 @@ async def test_client_disconnect_frees_the_latency_replica(aclient, live_stack):
         raw = await aclient.completions.with_raw_response.create(
             model=MODEL, prompt="y", max_tokens=2, extra_body={"service_tier": "priority"})
         assert raw.headers["x-megaserve-tier"] == "latency"
+
+
+async def test_client_leaving_a_non_streamed_request_frees_the_latency_slot(aclient, live_stack):
+    """The router gives back the slot of a client that left before its answer was ready, so the
+    next priority request is served by the latency tier instead of spilling over."""
+    timeout = httpx.Timeout(120, read=0.5)  # far shorter than 1,000 tokens take on the CPU
+    async with httpx.AsyncClient(base_url=live_stack.base_url, timeout=timeout) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000,
+                                                     "service_tier": "priority", "ignore_eos": True})
+    await asyncio.sleep(0.5)
+    raw = await aclient.completions.with_raw_response.create(
+        model=MODEL, prompt="y", max_tokens=2, extra_body={"service_tier": "priority"})
+    assert raw.headers["x-megaserve-tier"] == "latency"
 
 
 @pytest.mark.parametrize("content, headers, status", [
