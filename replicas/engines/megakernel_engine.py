@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from megaserve.kernels.build import KernelCache
-from megaserve.kernels.launcher import DecodeStep
+from megaserve.kernels.launcher import STATE_POS, DecodeStep
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
@@ -192,7 +192,7 @@ class MegakernelEngine(StepThreadEngine):
         self._graph.replay()
         if rows is None:
             return self.step.next_token.item()  # the step's one sync
-        position = self.step.state[1:2].long()  # the drawn token's position, on the device
+        position = self.step.state[STATE_POS : STATE_POS + 1].long()  # [1]: the drawn token's, on the device
         drawn = sample(self.step.logits[None], rows, position, self.generator)
         self.step.token_slot.copy_(drawn[0])
         return drawn.item()
