@@ -192,10 +192,11 @@ class AppConfig(_Strict):
         if not (self.latency.enabled or self.throughput.enabled):
             raise ValueError("at least one of latency.enabled / throughput.enabled must be true")
         if self.model.max_context is not None:
-            for tier in ("latency", "throughput"):
-                if getattr(self, tier).max_seq_len < self.model.max_context:
+            for name in ("latency", "throughput"):
+                tier = getattr(self, name)
+                if tier.enabled and tier.max_seq_len < self.model.max_context:
                     raise ValueError(
-                        f"{tier}.max_seq_len ({getattr(self, tier).max_seq_len}) is shorter "
+                        f"{name}.max_seq_len ({tier.max_seq_len}) is shorter "
                         f"than model.max_context ({self.model.max_context})"
                     )
         return self

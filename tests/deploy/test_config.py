@@ -54,6 +54,12 @@ def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
         AppConfig.model_validate(args)
 
 
+def test_a_disabled_tier_s_sequence_length_does_not_bound_the_context():
+    config = AppConfig.model_validate({"model": {"max_context": 4096}, "throughput": {"enabled": False},
+                                       "latency": {"max_seq_len": 4096}})
+    assert config.model.max_context == 4096
+
+
 def test_cuda_latency_tier_picks_the_megakernel():
     config = AppConfig.model_validate({"latency": {"device": "cuda", "tp_size": 8}})
     assert config.latency.resolved_engine == "megakernel"
