@@ -35,6 +35,7 @@ from megaserve.kernels.launcher import DecodeStep
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.replicas.models import Model, ModelConfig
 from megaserve.replicas.models.decoder import expected_shapes
+from megaserve.replicas.models.sharding import plan_sharding, step_read_bytes
 
 # The shapes of the real checkpoints' config.json (only what ModelConfig reads).
 _LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -102,16 +103,6 @@ def random_model(config: ModelConfig, device: torch.device) -> Model:
     return Model(config, tensors)
 
 
-def step_bytes(model: Model, context: int) -> int:
-    """Bytes a decode step must read at `context` keys: every weight once (the embedding only its
-    row, unless it is also the LM head) plus the whole K and V of the context."""
-    config = model.config
-    weights = sum(t.numel() for layer in model.layers for t in vars(layer).values() if t is not None)
-    weights += model.lm_head.numel() + model.final_norm.numel()
-    kv = 2 * config.num_layers * config.num_kv_heads * context * config.head_dim
-    return (weights + kv) * BF16_BYTES
-
-
 def read_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large reduction over a buffer far larger than L2."""
     data = torch.empty(BANDWIDTH_PROBE_BYTES // BF16_BYTES, dtype=torch.bfloat16, device=device).normal_()
@@ -152,7 +143,8 @@ def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...], 
     model = random_model(ModelConfig.from_hf_dict(BENCH_CONFIGS[name]), torch.device("cuda"))
     results = []
     for context in contexts:
-        floor_bytes = step_bytes(model, context + 1)
+        # The whole step's reads with the new token's key and value: tp=1 is the whole model.
+        floor_bytes = step_read_bytes(plan_sharding(model.config, 1), context + 1, BF16_BYTES).total
         for method, measured in bench_context(model, context, methods, kernel_cache):
             if isinstance(measured, Exception):  # a baseline that this torch cannot run
                 results.append(Result(name, context, method, error=f"{type(measured).__name__}: {measured}"))
