@@ -19,23 +19,12 @@ def _path(name: str, default: Path) -> Path:
     return Path(value).expanduser() if value else default
 
 
-def _int(name: str, default: int) -> int:
-    value = os.environ.get(PREFIX + name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{PREFIX}{name} must be an integer, got {value!r}") from None
-
-
 @dataclass(frozen=True)
 class Environment:
     """Settings that belong to the machine rather than to one app config."""
 
     home: Path  # MEGASERVE_HOME: demo model, kernel cache, local metrics folder
     kernel_cache: Path  # MEGASERVE_KERNEL_CACHE: compiled cubins by source hash + arch + shape
-    metrics_port: int  # MEGASERVE_METRICS_PORT: the node's metrics endpoint
     api_keys: tuple[str, ...]  # MEGASERVE_API_KEYS: comma-separated; empty disables auth
 
     @classmethod
@@ -45,6 +34,5 @@ class Environment:
         return cls(
             home=home,
             kernel_cache=_path("KERNEL_CACHE", home / "kernels"),
-            metrics_port=_int("METRICS_PORT", 9400),
             api_keys=keys,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client.utils import floatToGoString
 
-METRICS_JOB = "megaserve"  # every node's megaserve exporter (MEGASERVE_METRICS_PORT, /metrics)
+METRICS_JOB = "megaserve"  # every node's megaserve exporter (the config's metrics.port, /metrics)
 RAY_JOB = "ray"  # every node's Ray metrics export port (ray_serve_*, ms-based)
 
 

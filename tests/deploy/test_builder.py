@@ -23,7 +23,7 @@ class Probe:
 
 
 def _env(tmp_path) -> Environment:
-    return Environment(home=tmp_path, kernel_cache=tmp_path / "k", metrics_port=9400, api_keys=())
+    return Environment(home=tmp_path, kernel_cache=tmp_path / "k", api_keys=())
 
 
 def test_gpu_tier_takes_its_tp_group_in_one_strict_pack_bundle(tmp_path):

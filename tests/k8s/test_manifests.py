@@ -206,8 +206,6 @@ def test_every_pod_serves_both_metrics_ports_from_an_in_memory_folder(group):
     (container,) = spec["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports[MEGASERVE_METRICS_PORT_NAME] == config.metrics.port
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert int(env["MEGASERVE_METRICS_PORT"]) == config.metrics.port
     params = _cluster()["headGroupSpec"] if group == "head" else _worker_group(group)
     assert ports[RAY_METRICS_PORT_NAME] == int(params["rayStartParams"]["metrics-export-port"])
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
