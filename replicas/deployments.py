@@ -9,6 +9,7 @@ stream (client disconnect), which closes the engine's async generator at the nex
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -38,8 +39,11 @@ class _Replica:
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        async for output in self.engine.generate(request):
-            yield output
+        # Closing this stream closes the engine's at once; left to garbage collection, a batch-1
+        # engine would go on decoding for nobody while anything (a traceback) holds this frame.
+        async with contextlib.aclosing(self.engine.generate(request)) as outputs:
+            async for output in outputs:
+                yield output
 
     async def health(self) -> EngineHealth:
         return await self.engine.health()

@@ -1,0 +1,26 @@
+"""The Serve replicas' own code, called directly (Serve's decorators only wrap these classes)."""
+
+from __future__ import annotations
+
+from megaserve.replicas.deployments import ReplicaSpec, _Replica
+from megaserve.replicas.protocol import GenerateRequest, SamplingParams
+from tests.model_factory import make_tiny_model
+
+ANY_FREE_PORT = 0
+
+
+async def test_closing_the_replica_stream_cancels_the_engine_stream_at_once(tmp_path):
+    spec = ReplicaSpec(
+        engine="torch", model_dir=str(make_tiny_model(tmp_path, "llama", seed=3)), metrics_port=ANY_FREE_PORT,
+        engine_settings={"model_name": "tiny-replica", "coalesce_seconds": 0.0, "coalesce_tokens": 1},
+    )
+    replica = _Replica(spec)
+    try:
+        request = GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        stream = replica.generate(request)
+        await anext(stream)
+        (running,) = replica.engine._running.values()
+        await stream.aclose()  # what Ray does when the client goes away
+        assert running.stream.cancelled  # before any later loop turn could finalize the engine's stream
+    finally:
+        await replica.engine.shutdown()
