@@ -19,7 +19,6 @@ Requests are validated, queued and streamed as in TorchEngine (`threaded.StepThr
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -37,7 +36,6 @@ from .engine_metrics import EngineMetrics
 from .stream import StreamOutbox
 from .threaded import Admission, StepThreadEngine
 
-logger = logging.getLogger(__name__)
 
 ENGINE_LABEL = "megakernel"
 KERNEL_DTYPES = (None, "auto", "bfloat16", torch.bfloat16)  # the kernel is written for bf16
@@ -124,24 +122,17 @@ class MegakernelEngine(StepThreadEngine):
 
     # --- the engine thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _step_loop(self) -> None:
         torch.cuda.set_device(self.device)
-        try:
-            with torch.inference_mode():
-                while self._queue.wait():
-                    item = self._queue.pop()
-                    if item is None or item.stream.cancelled:
-                        continue
-                    self._running = item
-                    self.metrics.request_started()
-                    if not self._serve(item):
-                        return  # shut down mid-generation: _abort_all ends the stream
-                    self._release()
-        except Exception as exc:  # a failed step ends the engine; Serve replaces an unhealthy replica
-            logger.exception("megakernel engine step failed")
-            self._failure = f"engine step failed: {type(exc).__name__}: {exc}"
-        finally:
-            self._abort_all()
+        while self._queue.wait():
+            item = self._queue.pop()
+            if item is None or item.stream.cancelled:
+                continue
+            self._running = item
+            self.metrics.request_started()
+            if not self._serve(item):
+                return  # shut down mid-generation: _abort_all ends the stream
+            self._release()
 
     def _serve(self, item: Admission) -> bool:
         """Prefill, then decode until a stop condition or cancellation (True: the stream is done),

@@ -3,8 +3,10 @@ MegakernelEngine): validation at the call, a stream per request that follows the
 queueing by priority, health, and the request record the step thread works on.
 
 A subclass sets `vocab_size`, `max_context`, `eos_ids` and `coalesce`, calls
-`_start_step_thread(name)` last in its constructor, and implements `_run` (the step loop, which
-must end every stream it holds) and `_running_count`.
+`_start_step_thread(name)` last in its constructor, and implements `_step_loop` (returns once the
+queue is closed), `_abort_all` (ends every stream it still holds) and `_running_count`. A step
+that raises ends the engine: the streams end with ABORT and the error, and health turns
+unhealthy so that Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -12,13 +14,18 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import torch
+
 from ..protocol import CoalescePolicy, Engine, EngineError, EngineHealth, GenerateRequest, StepOutput
 from .stream import RequestQueue, TokenStream
 from .validation import check_context, check_token_ids
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -48,9 +55,23 @@ class StepThreadEngine(Engine):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    @abc.abstractmethod
     def _run(self) -> None:
-        """The step loop; runs on the engine thread until the queue is closed."""
+        try:
+            with torch.inference_mode():
+                self._step_loop()
+        except Exception as exc:
+            logger.exception("%s: engine step failed", type(self).__name__)
+            self._failure = f"engine step failed: {type(exc).__name__}: {exc}"
+        finally:
+            self._abort_all()
+
+    @abc.abstractmethod
+    def _step_loop(self) -> None:
+        """Run steps on the engine thread until the queue is closed."""
+
+    @abc.abstractmethod
+    def _abort_all(self) -> None:
+        """End every stream still running or waiting with ABORT (and `_failure`, if any)."""
 
     @abc.abstractmethod
     def _running_count(self) -> int:

@@ -24,7 +24,6 @@ included in the streamed tokens, as generated; the router leaves it out of the t
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,7 +41,6 @@ from .engine_metrics import EngineMetrics
 from .stream import StreamOutbox
 from .threaded import Admission, StepThreadEngine
 
-logger = logging.getLogger(__name__)
 
 ENGINE_LABEL = "torch"
 AUTO_DTYPE = "auto"  # the checkpoint's dtype on a GPU, float32 on the CPU (bf16 matmuls crawl there)
@@ -121,21 +119,14 @@ class TorchEngine(StepThreadEngine):
 
     # --- the engine thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            with torch.inference_mode():
-                while self._has_work():
-                    outbox = StreamOutbox()
-                    self._drop_cancelled()
-                    self._admit(outbox)
-                    if self._running:
-                        self._decode(outbox)
-                    outbox.flush()
-        except Exception as exc:  # a failed step ends the engine; Serve replaces an unhealthy replica
-            logger.exception("engine step failed")
-            self._failure = f"engine step failed: {type(exc).__name__}: {exc}"
-        finally:
-            self._abort_all()
+    def _step_loop(self) -> None:
+        while self._has_work():
+            outbox = StreamOutbox()
+            self._drop_cancelled()
+            self._admit(outbox)
+            if self._running:
+                self._decode(outbox)
+            outbox.flush()
 
     def _has_work(self) -> bool:
         """Block while idle; False once shut down."""
