@@ -5,6 +5,8 @@ Each tier is a `DeploymentHandle` to replicas whose `generate(request)` is an as
 closes the stream (stop string, client gone), so Ray cancels the replica-side generator and a
 batch-1 replica stops decoding at its next step. Serve's own refusals become OpenAI errors:
 BackPressureError (the replicas' queues are full) -> 429, no replica to take the call -> 503.
+A replica that dies or fails mid-generation ends the request with an OpenAI server error (a 500,
+or an error event on a stream that already started), never a broken connection.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import AsyncGenerator
 
 from fastapi import FastAPI
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -25,6 +27,7 @@ from megaserve.replicas.protocol import EngineError, GenerateRequest, StepOutput
 from megaserve.router.app import create_app
 from megaserve.router.backend import Backend
 from megaserve.router.errors import busy
+from megaserve.router.generation import GenerationFailed
 from megaserve.router.settings import RouterSettings
 
 HEALTH_CACHE_SECONDS = 2.0  # serve.status() asks the controller: once per interval, not per request
@@ -61,7 +64,10 @@ class ServeBackend:
         except RayTaskError as error:
             if isinstance(error.cause, EngineError):
                 raise EngineError(str(error.cause)) from None
-            raise
+            raise GenerationFailed(f"the {self.handle.deployment_name} replica failed: {error.cause!r}") from None
+        except RayActorError as error:
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise GenerationFailed(f"the {self.handle.deployment_name} replica died: {first_line}") from None
         finally:
             if not finished:
                 response.cancel()

@@ -190,3 +190,32 @@ def test_prometheus_holds_step_histograms_from_both_tiers_and_routing_counters(l
     assert {r["metric"]["tier"] for r in routed} == {"latency", "throughput"}
     ttft = prometheus.query("megaserve_time_to_first_token_seconds_count")
     assert ttft and sum(float(r["value"][1]) for r in ttft) > 0
+
+
+async def test_a_replica_dying_mid_stream_ends_it_with_an_error_event(live_stack):
+    import ray
+
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if "LatencyReplica" in a["name"]]
+    async with httpx.AsyncClient(base_url=live_stack.base_url, timeout=120) as http:
+        body = {"model": MODEL, "prompt": "x", "stream": True, "service_tier": "priority",
+                "max_tokens": 1000, "ignore_eos": True}
+        events = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.headers["x-megaserve-tier"] == "latency"
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if len(events) == 1:
+                        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
+        error = json.loads(events[-1])["error"]
+        assert "replica died" in error["message"] and error["type"]
+        # Serve replaces the replica; the latency tier serves again (later tests need it).
+        deadline = time.monotonic() + 120
+        while True:
+            answer = await http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "y", "max_tokens": 1, "service_tier": "priority"})
+            if answer.status_code == 200 and answer.headers["x-megaserve-tier"] == "latency":
+                break
+            assert time.monotonic() < deadline, answer.text
+            await asyncio.sleep(1)
