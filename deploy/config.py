@@ -11,6 +11,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from megaserve.router.settings import (
+    DEFAULT_LATENCY_MAX_PROMPT_TOKENS,
+    DEFAULT_LATENCY_WAIT_SECONDS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_RETRY_AFTER_SECONDS,
+)
+
 DEMO_MODEL_NAME = "megaserve-demo"
 
 
@@ -143,10 +150,12 @@ class ThroughputTier(TierCommon):
 
 class Routing(_Strict):
     latency_max_prompt_tokens: int = Field(
-        4096, ge=1, description="`auto` requests with longer prompts go to the throughput tier.",
+        DEFAULT_LATENCY_MAX_PROMPT_TOKENS, ge=1,
+        description="`auto` requests with longer prompts go to the throughput tier.",
     )
     latency_wait_seconds: float = Field(
-        0.05, ge=0, le=60, description="How long a latency request waits for a free latency "
+        DEFAULT_LATENCY_WAIT_SECONDS, ge=0, le=60,
+        description="How long a latency request waits for a free latency "
         "replica before it spills over (or is rejected).",
     )
     spillover: bool = Field(
@@ -154,10 +163,11 @@ class Routing(_Strict):
         "replica stays busy past latency_wait_seconds; else reject them with 429.",
     )
     retry_after_seconds: int = Field(
-        1, ge=0, description="Retry-After header value on 429 / 503 responses."
+        DEFAULT_RETRY_AFTER_SECONDS, ge=0,
+        description="Retry-After header value on 429 / 503 responses."
     )
     max_body_bytes: int = Field(
-        1 << 20, ge=1024, description="Larger request bodies get 413."
+        DEFAULT_MAX_BODY_BYTES, ge=1024, description="Larger request bodies get 413."
     )
     router_replicas: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")
 

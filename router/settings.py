@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Defaults of the deploy config too (deploy/config.py reads them from here).
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt of plain text fits well below
+DEFAULT_LATENCY_MAX_PROMPT_TOKENS = 4096
+DEFAULT_LATENCY_WAIT_SECONDS = 0.05  # a few batch-1 steps: spill over rather than queue long
+DEFAULT_RETRY_AFTER_SECONDS = 1
 
 
 @dataclass(frozen=True)
@@ -21,11 +25,11 @@ class RouterSettings:
     throughput_capacity: int  # requests the throughput tier runs at once: replicas x max ongoing
     api_keys: tuple[str, ...] = ()  # accepted bearer tokens; empty disables auth
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    latency_max_prompt_tokens: int = 2048  # service_tier "auto": longer prompts go to throughput
-    latency_wait_seconds: float = 0.5  # how long a latency request waits for a free slot
+    latency_max_prompt_tokens: int = DEFAULT_LATENCY_MAX_PROMPT_TOKENS  # service_tier "auto": longer prompts go to throughput
+    latency_wait_seconds: float = DEFAULT_LATENCY_WAIT_SECONDS  # how long a latency request waits for a free slot
     throughput_wait_seconds: float = 0.0  # how long a throughput request waits for a free slot
     spillover: bool = True  # a latency request that waited in vain runs on throughput instead of 429
-    retry_after_seconds: int = 1  # Retry-After header of 429 and 503 answers
+    retry_after_seconds: int = DEFAULT_RETRY_AFTER_SECONDS  # Retry-After header of 429 and 503 answers
     max_n: int = 8  # largest `n` (choices per request) accepted; each choice takes one slot
     created: int = 0  # Unix time shown as the model's `created` in /v1/models
 

@@ -157,7 +157,7 @@ async def test_client_leaving_a_non_streamed_request_frees_the_latency_slot(acli
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                  "service_tier": "turbo"}).encode(), {}, 400),
     (b'{"model": "megaserve-demo", "prompt": "\xff\xfe"}', {}, 400),
-    (b"x" * (2 << 20), {}, 413),
+    (b"x" * (5 << 20), {}, 413),  # over the 4 MiB default limit
 ])
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(live_stack, client,
                                                                      content, headers, status):
