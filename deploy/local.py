@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
 import signal
 import threading
 import time
@@ -23,6 +22,7 @@ from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
 
 STATUS_POLL_SECONDS = 0.5
+MULTIPROC_FILES = "*.db"  # prometheus_client's multiprocess files: {kind}_{pid}.db
 
 
 def load_serve_config(path: str | None) -> dict[str, Any]:
@@ -45,8 +45,10 @@ def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
     """Fresh metrics folders (counters restart with the cluster) and the demo model, made once
     here rather than raced by every replica."""
     for app in app_configs:
-        shutil.rmtree(app.metrics.multiproc_dir, ignore_errors=True)
-        os.makedirs(app.metrics.multiproc_dir, exist_ok=True)
+        folder = Path(app.metrics.multiproc_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(MULTIPROC_FILES):  # only prometheus_client's files: the folder
+            stale.unlink()                          # is the user's to name, never rmtree it
         if app.model.path is None:
             from megaserve.replicas.models.demo import ensure_demo_model
 
