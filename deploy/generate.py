@@ -98,6 +98,8 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
         body["seed"] = args.seed
     if args.top_k:
         body["top_k"] = args.top_k
+    if args.ignore_eos:
+        body["ignore_eos"] = True
     if args.raw:
         path, body["prompt"] = "/v1/completions", args.prompt
     else:
