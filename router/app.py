@@ -260,8 +260,10 @@ class _Router:
                            reason="failed") from None
         finally:
             if lease is not None:
-                await events.aclose()
-                lease.release()
+                try:
+                    await events.aclose()
+                finally:  # the slot goes back even if closing the backend stream raised
+                    lease.release()
 
 
 async def _collect(events: AsyncGenerator[Delta, None]) -> list[Delta]:

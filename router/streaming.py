@@ -79,9 +79,11 @@ class EventStreamResponse(Response):
                 await _wait_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.events.aclose()
-            self.on_close()
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self.events.aclose()
+            finally:  # the slot goes back even if closing the backend stream raised
+                self.on_close()
 
     async def _send_events(self, send: Send, scope: anyio.CancelScope) -> None:
         try:

@@ -200,3 +200,35 @@ async def test_a_cancelled_request_task_gives_back_its_slot(demo_model_dir, toke
         await served
     assert app.state.router.admission.slots[Tier.LATENCY].in_flight == 0
     assert holding[Tier.LATENCY].closed == 1
+
+
+class CleanupFailingBackend(EngineBackend):
+    """A real engine whose first stream raises while being closed (a broken replica connection)."""
+
+    failed = False
+
+    async def stream(self, request):
+        try:
+            async for output in super().stream(request):
+                yield output
+        finally:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("the backend failed while closing its stream")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_backend_failing_at_close_still_gives_the_slot_back(serve_router, engines, stream):
+    url = serve_router({Tier.LATENCY: CleanupFailingBackend(engines[Tier.LATENCY]),
+                        Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])})
+    # The client leaves mid-generation, so the router closes the backend stream while it is
+    # suspended, and that close raises.
+    body = {**PRIORITY, **LONG, "stream": stream}
+    if stream:
+        HeldStream(url, body).close()
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    wait_until(lambda: running_requests(engines[Tier.LATENCY]) == 0)
+    follow_up = httpx.post(url + "/v1/completions", json={**PRIORITY, "max_tokens": 1}, timeout=30)
+    assert follow_up.headers["x-megaserve-tier"] == "latency"  # not spilled: the slot came back
