@@ -84,26 +84,19 @@ def _placement(tier: TierCommon) -> dict[str, Any]:
 
 def _engine_settings(tier_name: Tier, tier: TierCommon, config: AppConfig, env: Environment,
                      engine: str, max_batch: int) -> dict[str, Any]:
-    settings: dict[str, Any] = {
+    """Keyword arguments of the tier's engine (see replicas.engines.create_engine)."""
+    common = {
         "model_name": config.model.name,
         "tier": tier_name.value,
-        "device": tier.device,
-        "dtype": config.model.dtype,
-        "max_seq": tier.max_seq_len,
         "coalesce_seconds": tier.coalesce_seconds,
         "coalesce_tokens": tier.coalesce_tokens,
     }
-    if engine == "torch":
-        settings["max_batch"] = max_batch
+    if engine == "sglang":  # SGLang owns its device, dtype and KV cache
+        return {**common, "tp_size": tier.tp_size, "engine_args": dict(config.throughput.sglang_args)}
+    local = {**common, "device": tier.device, "dtype": config.model.dtype, "max_seq": tier.max_seq_len}
     if engine == "megakernel":
-        settings["kernel_cache"] = str(env.kernel_cache)
-    if engine == "sglang":
-        settings = {
-            "model_name": config.model.name, "tier": tier_name.value,
-            "tp_size": tier.tp_size, "coalesce_seconds": tier.coalesce_seconds,
-            "coalesce_tokens": tier.coalesce_tokens, "engine_args": dict(config.throughput.sglang_args),
-        }
-    return settings
+        return {**local, "kernel_cache": str(env.kernel_cache)}
+    return {**local, "max_batch": max_batch}
 
 
 def _replica_spec(tier_name: Tier, tier: LatencyTier | ThroughputTier, engine: str, max_batch: int,
