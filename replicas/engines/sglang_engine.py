@@ -1,29 +1,41 @@
 """SGLangEngine: stock SGLang (`sglang.Engine`) behind the Engine protocol, for the throughput tier.
 
-SGLang is an optional extra (`pip install megaserve[sglang]`) and is imported only when the engine
-is built. `sglang.Engine(model_path=..., tp_size=..., **engine_args)` starts its scheduler (one
-process per GPU of the tensor-parallel group) and detokenizer in subprocesses; its
-TokenizerManager lives in this process, on this event loop. A request goes in as
+SGLang is an optional extra (`pip install 'megaserve[sglang]'`, pinned to the release whose
+source tests/replicas/engines/test_sglang_api.py checks every name below against) and is imported
+only when the engine starts. `sglang.Engine(**launch_args)` takes `ServerArgs` fields as keywords
+and starts its scheduler (one process per GPU of the tensor-parallel group, on the GPUs this
+process sees) in subprocesses; its TokenizerManager lives in this process, on this event loop.
+A request goes in as
 
-    await engine.async_generate(input_ids=[...], sampling_params={...}, rid=..., priority=..., stream=True)
+    await runtime.async_generate(input_ids=[...], sampling_params={...}, rid=..., priority=..., stream=True)
 
 and comes back as dicts {"output_ids": [...], "meta_info": {"finish_reason": None | {"type": ...}}}.
 By default each streamed dict carries all output ids so far; with SGLang's
-`incremental_streaming_output` only the new ones. `OutputReader` handles both.
+`incremental_streaming_output` only the new ones. `OutputReader` handles both. A client that
+leaves cancels our pump and `runtime.tokenizer_manager.abort_request(rid=...)` drops the request
+from SGLang's batch at its next step.
 
-Settings we start SGLang with unless `engine_args` says otherwise: `skip_tokenizer_init` (token ids
-in and out, no detokenizer work: replicas never see text) and `enable_priority_scheduling` (so that
-`GenerateRequest.priority` orders SGLang's queue, larger first: SGLang's default direction). A seed
-maps to SGLang's `sampling_seed`, which SGLang honours when started with its deterministic
-inference mode.
+Launch settings the engine owns (OWNED_ARGS; `engine_args` may not set them): the model path,
+`tp_size`, `context_length` (the tier's max_seq_len, capped by the model), `dtype`,
+`max_running_requests` (the tier's max_batch), `mem_fraction_static`, `enable_metrics` (SGLang's
+own `sglang:*` metrics, written to PROMETHEUS_MULTIPROC_DIR, the node's megaserve metrics folder,
+and so served beside ours), and `skip_tokenizer_init` (always on: token ids in and out, replicas
+never see text). `enable_priority_scheduling` is on unless `engine_args` says otherwise, so that
+`GenerateRequest.priority` orders SGLang's queue, larger first (SGLang's default direction). A seed
+maps to SGLang's `sampling_seed`, which SGLang honours when started with
+`enable_deterministic_inference`.
 
 Timing: SGLang does not stream per-step durations. Each chunk's tokens get the time since the
 previous chunk (since submission for the first one, so it includes SGLang's queue and prefill),
 split evenly; these are the values recorded as the prefill and decode step durations, once per
 chunk of each request (so a batched step is observed once per request in it).
 
-The functions `sglang_sampling_params`, `engine_launch_args`, `model_limits` and `OutputReader` are
-pure and tested without SGLang.
+Health: a one-token generation, as SGLang's own /health_generate does. Under load the probe may
+wait in SGLang's queue; output reaching any other request in the meantime proves SGLang alive too.
+
+`sglang_sampling_params`, `engine_launch_args`, `generate_kwargs`, `model_limits` and
+`OutputReader` are pure and tested without SGLang; the engine itself is tested against an
+in-process stand-in for `sglang.Engine`, and against the real one in tests/gpu/.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,12 +65,22 @@ from .engine_metrics import EngineMetrics
 from .stream import Chunk, TokenStream
 from .validation import check_context, check_token_ids
 
-SGLANG_DEFAULTS: dict[str, Any] = {"skip_tokenizer_init": True, "enable_priority_scheduling": True}
-RESERVED_ARGS = ("model_path", "tp_size")  # set from the engine's own arguments
+INSTALL_HINT = "pip install 'megaserve[sglang]'"
+SGLANG_DEFAULTS: dict[str, Any] = {"enable_priority_scheduling": True}
+OWNED_ARGS = (
+    "model_path", "tp_size", "context_length", "dtype", "max_running_requests",
+    "mem_fraction_static", "enable_metrics", "skip_tokenizer_init",
+)
 INCREMENTAL_ARG = "incremental_streaming_output"
 TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k"
 FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-CONTEXT_LENGTH_ARG = "context_length"
+
+# The health probe: SGLang's own prefix (it drops late outputs of such rids quietly), one greedy
+# token from a one-token prompt, within a timeout below Serve's 30 s health-check timeout.
+HEALTH_RID_PREFIX = "HEALTH_CHECK"
+HEALTH_PROMPT = (0,)
+HEALTH_SAMPLING: dict[str, Any] = {"max_new_tokens": 1, "temperature": 0.0}
+HEALTH_TIMEOUT_SECONDS = 20.0
 
 
 def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
@@ -77,24 +99,51 @@ def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
     return mapped
 
 
-def engine_launch_args(model_dir: str | Path, tp_size: int, engine_args: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine`: our defaults, then the caller's, then ours again for
-    the two settings the engine owns."""
-    reserved = sorted(set(RESERVED_ARGS) & set(engine_args))
-    if reserved:
-        raise ValueError(f"engine_args must not set {reserved}: they come from the tier's model and tp_size")
+def generate_kwargs(prompt_token_ids: Sequence[int], sampling_params: Mapping[str, Any], rid: str,
+                    priority: int) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine.async_generate` for one streamed request."""
+    return {"input_ids": list(prompt_token_ids), "sampling_params": dict(sampling_params),
+            "rid": rid, "priority": priority, "stream": True}
+
+
+def engine_launch_args(
+    model_dir: str | Path,
+    *,
+    tp_size: int,
+    context_length: int,
+    dtype: str = "auto",
+    max_running_requests: int | None = None,
+    mem_fraction_static: float | None = None,
+    enable_metrics: bool = True,
+    engine_args: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine`: our defaults, then the caller's `engine_args`, then the
+    settings the engine owns. None leaves a setting to SGLang."""
+    engine_args = dict(engine_args or {})
+    owned = sorted(set(OWNED_ARGS) & set(engine_args))
+    if owned:
+        raise ValueError(f"engine_args must not set {owned}: the engine sets them from its own arguments")
     if tp_size < 1:
         raise ValueError(f"tp_size must be at least 1, got {tp_size}")
-    return {**SGLANG_DEFAULTS, **engine_args, "model_path": str(model_dir), "tp_size": tp_size}
+    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+    settings = {
+        "model_path": str(model_dir), "tp_size": tp_size, "context_length": context_length,
+        "dtype": dtype, "max_running_requests": max_running_requests,
+        "mem_fraction_static": mem_fraction_static, "enable_metrics": enable_metrics,
+        "skip_tokenizer_init": True,
+    }
+    return {**SGLANG_DEFAULTS, **engine_args, **{k: v for k, v in settings.items() if v is not None}}
 
 
-def model_limits(hf_config: Mapping[str, Any], engine_args: Mapping[str, Any]) -> tuple[int, int]:
-    """(vocab_size, max_context) of a model from its Hugging Face config.json contents; SGLang's
-    `context_length`, when given, overrides the model's positions as it does in SGLang."""
+def model_limits(hf_config: Mapping[str, Any], max_seq: int | None) -> tuple[int, int]:
+    """(vocab_size, context length) of a model from its Hugging Face config.json contents: the
+    tier's `max_seq`, capped by the model's positions (SGLang refuses a longer context_length)."""
     for key in ("vocab_size", "max_position_embeddings"):
         if key not in hf_config:
             raise ValueError(f"config.json lacks {key!r}")
-    return int(hf_config["vocab_size"]), int(engine_args.get(CONTEXT_LENGTH_ARG) or hf_config["max_position_embeddings"])
+    positions = int(hf_config["max_position_embeddings"])
+    return int(hf_config["vocab_size"]), min(max_seq or positions, positions)
 
 
 @dataclass
@@ -124,30 +173,52 @@ def finish_of(reason: Mapping[str, Any] | None) -> tuple[FinishReason | None, st
     return FINISH_TYPES[kind], reason.get("message") if kind == "abort" else None
 
 
+def _sglang_engine_class() -> Callable[..., Any]:
+    try:
+        import sglang
+    except ImportError as exc:
+        raise RuntimeError(f"the sglang engine needs SGLang: {INSTALL_HINT}") from exc
+    return sglang.Engine
+
+
 class SGLangEngine(Engine):
     def __init__(
         self,
         model_dir: str | Path,
         *,
         tp_size: int = 1,
+        max_seq: int | None = None,
+        max_batch: int | None = None,
+        dtype: str = "auto",
+        mem_fraction_static: float | None = None,
+        enable_metrics: bool = True,
         engine_args: Mapping[str, Any] | None = None,
         coalesce: CoalescePolicy = CoalescePolicy(),
         tier: Tier | str = Tier.THROUGHPUT,
         model_name: str | None = None,
+        health_timeout_seconds: float = HEALTH_TIMEOUT_SECONDS,
+        launch: Callable[..., Any] | None = None,
     ) -> None:
-        try:
-            import sglang
-        except ImportError as exc:
-            raise RuntimeError("the sglang engine needs SGLang: pip install 'megaserve[sglang]'") from exc
+        """`max_batch` becomes SGLang's max_running_requests; `engine_args` are further
+        `ServerArgs` fields. `launch` starts SGLang from the launch arguments: `sglang.Engine`
+        unless given (tests pass a stand-in)."""
+        launch = launch or _sglang_engine_class()
         engine_args = dict(engine_args or {})
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.vocab_size, self.max_context = model_limits(hf_config, engine_args)
+        self.vocab_size, self.max_context = model_limits(hf_config, max_seq)
         self.model_name = model_name or Path(model_dir).name
         self.coalesce = coalesce
+        self.health_timeout_seconds = health_timeout_seconds
         self.metrics = EngineMetrics(Tier(tier).value, self.model_name)
-        self._incremental = bool(engine_args.get(INCREMENTAL_ARG, False))
-        self._engine = sglang.Engine(**engine_launch_args(model_dir, tp_size, engine_args))
+        self.launch_args = engine_launch_args(
+            model_dir, tp_size=tp_size, context_length=self.max_context, dtype=dtype,
+            max_running_requests=max_batch, mem_fraction_static=mem_fraction_static,
+            enable_metrics=enable_metrics, engine_args=engine_args,
+        )
+        self._incremental = bool(self.launch_args.get(INCREMENTAL_ARG, False))
+        self._runtime = launch(**self.launch_args)
         self._active: dict[str, tuple[TokenStream, asyncio.Task]] = {}  # rid -> its stream and pump
+        self._probes: set[asyncio.Event] = set()  # set by every SGLang output: liveness for health
         self._closed = False
 
     def validate(self, request: GenerateRequest) -> None:
@@ -180,12 +251,11 @@ class SGLangEngine(Engine):
         reader = OutputReader(self._incremental)
         last = time.perf_counter()
         try:
-            outputs = await self._engine.async_generate(
-                input_ids=list(request.prompt_token_ids),
-                sampling_params=sglang_sampling_params(request.sampling),
-                rid=rid, priority=request.priority, stream=True,
-            )
+            outputs = await self._runtime.async_generate(**generate_kwargs(
+                request.prompt_token_ids, sglang_sampling_params(request.sampling), rid, request.priority))
             async for output in outputs:
+                for probe in self._probes:
+                    probe.set()
                 now = time.perf_counter()
                 first = reader.delivered == 0
                 chunk = reader.read(output, now - last)
@@ -208,13 +278,41 @@ class SGLangEngine(Engine):
         entry = self._active.pop(rid, None)
         if entry is not None:
             entry[1].cancel()
-            self._engine.tokenizer_manager.abort_request(rid=rid)
+            self._runtime.tokenizer_manager.abort_request(rid=rid)
 
     async def health(self) -> EngineHealth:
-        return EngineHealth(
-            healthy=not self._closed, detail="the engine is shut down" if self._closed else "",
-            running_requests=len(self._active),
-        )
+        problem = "the engine is shut down" if self._closed else await self._probe()
+        return EngineHealth(healthy=not problem, detail=problem, running_requests=len(self._active))
+
+    async def _probe(self) -> str:
+        """'' when SGLang answers a one-token generation, or outputs anything to another request,
+        within the health timeout; otherwise what went wrong."""
+        rid = f"{HEALTH_RID_PREFIX}-{uuid.uuid4().hex}"
+        try:
+            outputs = await self._runtime.async_generate(**generate_kwargs(HEALTH_PROMPT, HEALTH_SAMPLING, rid, 0))
+        except Exception as exc:
+            return f"SGLang refused the health generation: {type(exc).__name__}: {exc}"
+        progress = asyncio.Event()
+        self._probes.add(progress)
+        answer = asyncio.ensure_future(anext(outputs))
+        other_output = asyncio.ensure_future(progress.wait())
+        try:
+            await asyncio.wait({answer, other_output}, timeout=self.health_timeout_seconds,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if answer.done():
+                reason, error = finish_of(answer.result()["meta_info"].get("finish_reason"))
+                return f"SGLang aborted the health generation: {error}" if reason is FinishReason.ABORT else ""
+            if other_output.done():
+                return ""  # the probe waits in SGLang's queue, but other requests get tokens
+            return f"SGLang produced no output for {self.health_timeout_seconds:g} s"
+        except Exception as exc:
+            return f"SGLang failed the health generation: {type(exc).__name__}: {exc}"
+        finally:
+            self._probes.discard(progress)
+            for waiter in (answer, other_output):
+                waiter.cancel()
+            await asyncio.gather(answer, other_output, return_exceptions=True)
+            await outputs.aclose()
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -223,7 +321,7 @@ class SGLangEngine(Engine):
         active = list(self._active.items())
         for rid, (stream, pump) in active:
             pump.cancel()
-            self._engine.tokenizer_manager.abort_request(rid=rid)
+            self._runtime.tokenizer_manager.abort_request(rid=rid)
             stream.put(Chunk(finish_reason=FinishReason.ABORT, error="the engine is shutting down"))
         await asyncio.gather(*(pump for _, (_, pump) in active), return_exceptions=True)
-        await asyncio.to_thread(self._engine.shutdown)
+        await asyncio.to_thread(self._runtime.shutdown)

@@ -1,21 +1,35 @@
-"""SGLangEngine: the parameter mapping and output conversion (pure, always run), and a live run
-against stock SGLang (skipped unless SGLang and a GPU are present)."""
+"""SGLangEngine: the parameter mapping and output conversion (pure functions), and the engine
+itself on an in-process stand-in for `sglang.Engine` (tests/replicas/engines/sglang_stand_in.py):
+stream translation, priority, abort on client disconnect, shutdown, health and metrics. The names
+used are checked against SGLang's own source in test_sglang_api.py; the live run against a real
+SGLang is tests/gpu/test_sglang_engine_gpu.py."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import itertools
+import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from megaserve.replicas.engines import create_engine
 from megaserve.replicas.engines.sglang_engine import (
     OutputReader,
+    SGLangEngine,
     engine_launch_args,
     finish_of,
+    generate_kwargs,
     model_limits,
     sglang_sampling_params,
 )
-from megaserve.replicas.protocol import FinishReason, GenerateRequest, SamplingParams
+from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason, GenerateRequest, SamplingParams
+from tests.replicas.engines.sglang_stand_in import StandInSGLang
+
+ONE_BY_ONE = CoalescePolicy(seconds=0.0, tokens=1)
+SHORT_HEALTH_TIMEOUT = 0.3
+_names = itertools.count()
 
 
 def test_sampling_params_map_to_sglang_names():
@@ -34,23 +48,49 @@ def test_defaults_disable_top_k_and_leave_out_unset_fields():
 
 
 def test_launch_args_layer_defaults_caller_and_owned_settings():
-    args = engine_launch_args("/models/m", 4, {"mem_fraction_static": 0.8, "skip_tokenizer_init": False})
+    args = engine_launch_args("/models/m", tp_size=4, context_length=8192, dtype="bfloat16",
+                              max_running_requests=128, mem_fraction_static=0.85,
+                              engine_args={"enable_priority_scheduling": False, "chunked_prefill_size": 4096})
     assert args == {
-        "skip_tokenizer_init": False, "enable_priority_scheduling": True, "mem_fraction_static": 0.8,
-        "model_path": "/models/m", "tp_size": 4,
+        "enable_priority_scheduling": False, "chunked_prefill_size": 4096, "model_path": "/models/m",
+        "tp_size": 4, "context_length": 8192, "dtype": "bfloat16", "max_running_requests": 128,
+        "mem_fraction_static": 0.85, "enable_metrics": True, "skip_tokenizer_init": True,
     }
-    with pytest.raises(ValueError, match="must not set \\['tp_size'\\]"):
-        engine_launch_args("/models/m", 1, {"tp_size": 2})
-    with pytest.raises(ValueError, match="tp_size must be at least 1"):
-        engine_launch_args("/models/m", 0, {})
 
 
-def test_model_limits_prefer_sglang_context_length():
+def test_launch_args_leave_unset_limits_to_sglang():
+    args = engine_launch_args("/models/m", tp_size=1, context_length=512, enable_metrics=False)
+    assert "max_running_requests" not in args and "mem_fraction_static" not in args
+    assert args["enable_metrics"] is False and args["enable_priority_scheduling"] is True
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"engine_args": {"tp_size": 2}}, "must not set \\['tp_size'\\]"),
+    ({"engine_args": {"skip_tokenizer_init": False, "context_length": 9}},
+     "must not set \\['context_length', 'skip_tokenizer_init'\\]"),
+    ({"tp_size": 0}, "tp_size must be at least 1"),
+    ({"mem_fraction_static": 1.0}, "mem_fraction_static must be in \\(0, 1\\)"),
+])
+def test_bad_launch_settings_are_refused(settings, message):
+    settings = {"tp_size": 1, "context_length": 512} | settings
+    with pytest.raises(ValueError, match=message):
+        engine_launch_args("/models/m", **settings)
+
+
+def test_generate_kwargs_stream_one_request_by_token_ids():
+    assert generate_kwargs((5, 6), {"max_new_tokens": 2}, "r-1", 3) == {
+        "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "rid": "r-1", "priority": 3,
+        "stream": True,
+    }
+
+
+def test_model_limits_cap_the_tier_s_sequence_length_by_the_model():
     config = {"vocab_size": 1000, "max_position_embeddings": 4096}
-    assert model_limits(config, {}) == (1000, 4096)
-    assert model_limits(config, {"context_length": 2048}) == (1000, 2048)
+    assert model_limits(config, None) == (1000, 4096)
+    assert model_limits(config, 2048) == (1000, 2048)
+    assert model_limits(config, 10**6) == (1000, 4096)
     with pytest.raises(ValueError, match="vocab_size"):
-        model_limits({"max_position_embeddings": 8}, {})
+        model_limits({"max_position_embeddings": 8}, None)
 
 
 def test_cumulative_outputs_become_new_tokens_with_split_step_times():
@@ -103,26 +143,170 @@ def test_without_sglang_the_engine_says_how_to_install_it(tiny_model_dir):
         create_engine("sglang", model_dir=tiny_model_dir, coalesce_seconds=0.01)
 
 
-def _sglang_on_gpu() -> bool:
-    if importlib.util.find_spec("sglang") is None:
-        return False
-    import torch
+@pytest.fixture
+async def make_sglang(tiny_model_dir):
+    """make_sglang(**settings) -> (SGLangEngine on the stand-in, the stand-in); each engine has a
+    model name of its own (so its metrics are its own) and is shut down after the test."""
+    engines: list[SGLangEngine] = []
 
-    return torch.cuda.is_available()
+    def make(**settings) -> tuple[SGLangEngine, StandInSGLang]:
+        settings = {"model_name": f"tiny-sglang-{next(_names)}", "coalesce": ONE_BY_ONE} | settings
+        engine = SGLangEngine(tiny_model_dir, launch=StandInSGLang, **settings)
+        engines.append(engine)
+        return engine, engine._runtime
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sglang_on_gpu(), reason="needs SGLang and a CUDA GPU")
-async def test_live_sglang_matches_the_reference_greedy_tokens(tiny_model_dir, reference_greedy):
-    from megaserve.replicas.engines.sglang_engine import SGLangEngine
-
-    engine = SGLangEngine(tiny_model_dir, engine_args={"mem_fraction_static": 0.3}, model_name="tiny-sglang")
-    try:
-        prompt = (5, 17, 99, 3, 42)
-        request = GenerateRequest("live", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        items = [item async for item in engine.generate(request)]
-    finally:
+    yield make
+    for engine in engines:
         await engine.shutdown()
-    assert len(items[0].token_ids) == 1
-    assert [t for item in items for t in item.token_ids] == reference_greedy(list(prompt), 8)
+
+
+def _request(prompt=(5, 17, 99), name="r", priority=0, **sampling) -> GenerateRequest:
+    sampling = {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True} | sampling
+    return GenerateRequest(name, tuple(prompt), SamplingParams(**sampling), priority=priority)
+
+
+def _sample(name: str, labels: dict[str, str]) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_the_engine_starts_sglang_with_the_tier_s_settings(make_sglang, tiny_model_dir):
+    engine, sglang = make_sglang(tp_size=2, max_seq=256, max_batch=4, dtype="float32",
+                                 mem_fraction_static=0.5, engine_args={"chunked_prefill_size": 64})
+    assert sglang.launch_args == {
+        "enable_priority_scheduling": True, "chunked_prefill_size": 64, "model_path": str(tiny_model_dir),
+        "tp_size": 2, "context_length": 256, "dtype": "float32", "max_running_requests": 4,
+        "mem_fraction_static": 0.5, "enable_metrics": True, "skip_tokenizer_init": True,
+    }
+    assert (engine.vocab_size, engine.max_context) == (512, 256)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_sglang_s_stream_becomes_steps_that_follow_the_yield_rule(make_sglang, incremental):
+    engine, sglang = make_sglang(coalesce=CoalescePolicy(seconds=1.0, tokens=2),
+                                 engine_args={"incremental_streaming_output": incremental})
+    items = [item async for item in engine.generate(_request((5, 17, 99), "greedy", priority=7))]
+    assert [item.token_ids for item in items] == [[100], [101, 102], [103, 104]]
+    assert items[-1].finish_reason == FinishReason.LENGTH and items[-1].error is None
+    assert all(item.prompt_tokens == 3 for item in items)
+    assert all(len(item.step_seconds) == len(item.token_ids) for item in items)
+    (call,) = sglang.requests
+    assert call["input_ids"] == [5, 17, 99] and call["priority"] == 7 and call["stream"] is True
+    assert call["sampling_params"] == {"max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                       "ignore_eos": True}
+    assert call["rid"].startswith("greedy-")
+
+
+async def test_a_stop_token_finishes_with_stop(make_sglang):
+    engine, _ = make_sglang()
+    items = [item async for item in engine.generate(_request((5, 10), stop_token_ids=(13,), max_tokens=9))]
+    assert [t for item in items for t in item.token_ids] == [11, 12, 13]
+    assert items[-1].finish_reason == FinishReason.STOP
+
+
+async def test_the_same_request_id_twice_gets_two_sglang_rids(make_sglang):
+    engine, sglang = make_sglang()
+    for _ in range(2):
+        [item async for item in engine.generate(_request(name="retried"))]
+    assert len({call["rid"] for call in sglang.requests}) == 2
+
+
+async def test_a_client_that_leaves_aborts_the_request_in_sglang(make_sglang):
+    engine, sglang = make_sglang()
+    labels = {"tier": "throughput", "model": engine.model_name}
+    stream = engine.generate(_request(max_tokens=400))
+    await anext(stream)
+    assert _sample("megaserve_running_requests", labels) == 1
+    await stream.aclose()  # what Ray does when the client goes away
+    assert sglang.tokenizer_manager.aborted == [sglang.requests[0]["rid"]]
+    await asyncio.sleep(0.01)  # the cancelled pump's cleanup
+    assert _sample("megaserve_running_requests", labels) == 0
+    assert _sample("megaserve_busy_replicas", labels) == 0
+
+
+async def test_an_sglang_failure_ends_the_stream_with_its_reason(make_sglang):
+    engine, sglang = make_sglang()
+    sglang.failure = ValueError("the input is longer than the context")
+    items = [item async for item in engine.generate(_request())]
+    assert len(items) == 1 and items[0].finish_reason == FinishReason.ABORT
+    assert "ValueError: the input is longer than the context" in items[0].error
+
+
+async def test_an_abort_from_sglang_ends_the_stream_with_its_message(make_sglang):
+    engine, sglang = make_sglang()
+    stream = engine.generate(_request(max_tokens=400))
+    await anext(stream)
+    sglang.tokenizer_manager.abort_request(rid=sglang.requests[0]["rid"])  # e.g. SGLang out of memory
+    items = [item async for item in stream]
+    assert items[-1].finish_reason == FinishReason.ABORT and items[-1].error == "aborted"
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "message"), [
+    ((), 1, "the prompt is empty"),
+    ((5, 512), 1, "prompt token id 512 is outside the vocabulary"),
+    ((5,) * 10, 10, "maximum context length is 16 tokens"),
+])
+async def test_bad_requests_are_refused_at_the_call(make_sglang, prompt, max_tokens, message):
+    engine, sglang = make_sglang(max_seq=16)
+    with pytest.raises(EngineError, match=message):
+        engine.generate(_request(prompt, max_tokens=max_tokens))
+    assert sglang.requests == []
+
+
+async def test_step_durations_are_recorded_for_the_throughput_tier(make_sglang):
+    engine, _ = make_sglang()
+    labels = {"tier": "throughput", "model": engine.model_name}
+    items = [item async for item in engine.generate(_request(max_tokens=6))]
     assert items[-1].finish_reason == FinishReason.LENGTH
+    await asyncio.sleep(0.01)
+    assert _sample("megaserve_step_duration_seconds_count", labels | {"phase": "prefill"}) == 1
+    assert _sample("megaserve_step_duration_seconds_count", labels | {"phase": "decode"}) == 5
+    assert _sample("megaserve_step_duration_seconds_sum", labels | {"phase": "decode"}) > 0
+
+
+async def test_shutdown_aborts_running_streams_stops_sglang_and_refuses_new_ones(make_sglang):
+    engine, sglang = make_sglang()
+    stream = engine.generate(_request(max_tokens=400))
+    await anext(stream)
+    await engine.shutdown()
+    rest = [item async for item in stream]
+    assert rest[-1].finish_reason == FinishReason.ABORT and rest[-1].error == "the engine is shutting down"
+    assert sglang.tokenizer_manager.aborted == [sglang.requests[0]["rid"]]
+    assert sglang.shut_down
+    with pytest.raises(EngineError, match="shut down"):
+        engine.generate(_request())
+    assert not (await engine.health()).healthy
+
+
+async def test_health_is_a_one_token_generation(make_sglang):
+    engine, sglang = make_sglang()
+    health = await engine.health()
+    assert health.healthy and health.detail == ""
+    (probe,) = sglang.requests
+    assert probe["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.0}
+    assert probe["rid"].startswith("HEALTH_CHECK")
+
+
+async def test_a_hung_sglang_is_unhealthy_after_the_timeout(make_sglang):
+    engine, sglang = make_sglang(health_timeout_seconds=SHORT_HEALTH_TIMEOUT)
+    sglang.stalled = True
+    health = await engine.health()
+    assert not health.healthy and "no output for 0.3 s" in health.detail
+
+
+async def test_a_busy_sglang_is_healthy_while_other_requests_get_tokens(make_sglang):
+    engine, sglang = make_sglang(health_timeout_seconds=10.0)
+    stream = engine.generate(_request(max_tokens=400))
+    await anext(stream)
+    sglang.stalled = True  # the probe waits in the queue behind the running request
+    started = time.monotonic()
+    health = await engine.health()
+    assert health.healthy and health.running_requests == 1
+    assert time.monotonic() - started < 1.0  # seen from the running request, not waited out
+    await stream.aclose()
+
+
+async def test_a_failing_sglang_is_unhealthy_with_the_reason(make_sglang):
+    engine, sglang = make_sglang()
+    sglang.failure = RuntimeError("scheduler died")
+    health = await engine.health()
+    assert not health.healthy and "RuntimeError: scheduler died" in health.detail

@@ -1,0 +1,76 @@
+"""An in-process stand-in for `sglang.Engine`, for testing SGLangEngine where SGLang cannot run
+(it needs CUDA and its own CUDA build of torch).
+
+It has exactly the members SGLangEngine uses, with the parameter names that test_sglang_api.py
+checks against the pinned SGLang's source, and streams as SGLang's TokenizerManager does with
+`skip_tokenizer_init`: one dict per decode step holding every output id so far (only the new ones
+with `incremental_streaming_output`), the last one with meta_info["finish_reason"] set to
+{"type": "stop" | "length" | "abort", ...}. Its "model" continues a prompt ending in t with
+t+1, t+2, ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+STEP_SECONDS = 0.001
+
+
+class StandInTokenizerManager:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.aborted.append(rid)
+
+
+class StandInSGLang:
+    """`StandInSGLang(**launch_args)` in place of `sglang.Engine(**launch_args)`."""
+
+    def __init__(self, **launch_args: Any) -> None:
+        self.launch_args = launch_args
+        self.tokenizer_manager = StandInTokenizerManager()
+        self.requests: list[dict[str, Any]] = []  # the keyword arguments of every async_generate
+        self.stalled = False  # new requests get no output at all (a hung scheduler)
+        self.failure: Exception | None = None  # new requests fail with this
+        self.shut_down = False
+
+    async def async_generate(self, *, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
+                             priority: int, stream: bool) -> AsyncIterator[dict[str, Any]]:
+        if not stream:
+            raise ValueError("the stand-in streams only")
+        self.requests.append(dict(input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+                                  priority=priority, stream=stream))
+        return self._outputs(input_ids, sampling_params, rid, self.stalled, self.failure)
+
+    async def _outputs(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
+                       failure: Exception | None) -> AsyncIterator[dict[str, Any]]:
+        if failure is not None:
+            raise failure
+        if stalled:
+            await asyncio.Event().wait()
+        incremental = self.launch_args.get("incremental_streaming_output", False)
+        stop = set(params.get("stop_token_ids") or ())
+        output_ids: list[int] = []
+        while True:
+            await asyncio.sleep(STEP_SECONDS)
+            if rid in self.tokenizer_manager.aborted:
+                yield {"output_ids": [] if incremental else list(output_ids),
+                       "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"}}}
+                return
+            token = prompt[-1] + len(output_ids) + 1
+            output_ids.append(token)
+            reason = None
+            if token in stop:
+                reason = {"type": "stop", "matched": token}
+            elif len(output_ids) == params["max_new_tokens"]:
+                reason = {"type": "length", "length": len(output_ids)}
+            yield {"output_ids": [token] if incremental else list(output_ids),
+                   "meta_info": {"finish_reason": reason}}
+            if reason is not None:
+                return
+
+    def shutdown(self) -> None:
+        self.shut_down = True
