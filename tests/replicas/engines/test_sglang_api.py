@@ -1,0 +1,174 @@
+"""Every SGLang name SGLangEngine (and its test stand-in) relies on, checked against the source of
+the pinned SGLang release, so that an SGLang API change fails here rather than on a GPU node.
+
+The wheel is read, never imported or installed (see sglang_source.py); .ci/run downloads it. A
+missing wheel fails these tests: they never skip.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import os
+import tempfile
+import typing
+
+import pytest
+
+from megaserve.deploy.config import ModelSpec
+from megaserve.replicas.engines.sglang_engine import (
+    FINISH_TYPES,
+    HEALTH_RID_PREFIX,
+    HEALTH_SAMPLING,
+    INCREMENTAL_ARG,
+    TOP_K_DISABLED,
+    engine_launch_args,
+    generate_kwargs,
+    sglang_sampling_params,
+)
+from megaserve.replicas.protocol import SamplingParams
+from tests.replicas.engines.sglang_stand_in import StandInSGLang, StandInTokenizerManager
+from tests.replicas.engines.sglang_source import SGLangSource, keyword_value, pinned_version, type_names, wheel_path
+
+ENGINE = "sglang.srt.entrypoints.engine"
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
+SAMPLING = "sglang.srt.sampling.sampling_params"
+SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
+# ServerArgs fields the docs tell operators to put in throughput.sglang_args.
+DOCUMENTED_ARGS = ("enable_deterministic_inference", "chunked_prefill_size", "enable_priority_scheduling")
+# The annotation type names that accept a value of each Python type.
+ACCEPTING = {bool: {"bool"}, int: {"int", "float"}, float: {"float"}, str: {"str"},
+             list: {"List", "list", "Set", "set"}}
+
+
+@pytest.fixture(scope="module")
+def sglang() -> SGLangSource:
+    return SGLangSource(wheel_path())
+
+
+def _every_launch_arg() -> dict[str, object]:
+    return engine_launch_args("/models/m", tp_size=4, context_length=8192, dtype="bfloat16",
+                              max_running_requests=64, mem_fraction_static=0.8, enable_metrics=True,
+                              engine_args={INCREMENTAL_ARG: True})
+
+
+def _every_sampling_param() -> dict[str, object]:
+    return sglang_sampling_params(SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9, top_k=5, seed=1,
+                                                 stop_token_ids=(2,), ignore_eos=True))
+
+
+def _assert_accepted(values: dict[str, object], fields: dict[str, ast.expr], where: str) -> None:
+    missing = sorted(set(values) - set(fields))
+    assert not missing, f"{where} has no {missing}"
+    for name, value in values.items():
+        accepted = type_names(fields[name])
+        assert ACCEPTING[type(value)] & accepted, f"{where}.{name} is {accepted}, we pass {value!r}"
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    arguments = function.args
+    return [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+
+
+def test_the_wheel_is_the_pinned_release(sglang):
+    metadata = sglang.text(f"sglang-{pinned_version()}.dist-info/METADATA")
+    assert f"\nVersion: {pinned_version()}\n" in metadata
+
+
+def test_every_launch_arg_is_a_server_args_field_of_a_compatible_type(sglang):
+    _assert_accepted(_every_launch_arg(), sglang.server_args_fields(), "ServerArgs")
+
+
+def test_documented_sglang_args_are_server_args_fields(sglang):
+    assert set(DOCUMENTED_ARGS) <= set(sglang.server_args_fields())
+
+
+def test_priority_scheduling_serves_larger_values_first_by_default(sglang):
+    fields = {node.target.id: node for node in ast.walk(sglang.module("sglang.srt.arg_groups.fields.schedule"))
+              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    assert ast.literal_eval(fields["schedule_low_priority_values_first"].value) is False
+
+
+def test_every_model_dtype_is_an_sglang_dtype(sglang):
+    dtypes = typing.get_args(ModelSpec.model_fields["dtype"].annotation)
+    assert set(dtypes) <= set(keyword_value(sglang.server_args_fields()["dtype"], "choices"))
+
+
+def test_engine_takes_server_args_as_keywords_and_has_a_tokenizer_manager(sglang):
+    engine = sglang.cls(ENGINE, "Engine")
+    init = sglang.method(engine, "__init__")
+    assert init.args.kwarg is not None and init.args.kwarg.arg == "kwargs"
+    assigned = {node.attr for node in ast.walk(init) if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name) and node.value.id == "self" and isinstance(node.ctx, ast.Store)}
+    assert "tokenizer_manager" in assigned
+
+
+def test_async_generate_takes_our_keywords_and_the_stand_in_no_others(sglang):
+    real = sglang.method(sglang.cls(ENGINE, "Engine"), "async_generate")
+    assert isinstance(real, ast.AsyncFunctionDef)
+    ours = set(generate_kwargs((1,), {}, "rid", 0))
+    assert ours <= set(_parameters(real))
+    stand_in = set(inspect.signature(StandInSGLang.async_generate).parameters) - {"self"}
+    assert stand_in == ours
+
+
+@pytest.mark.parametrize(("module", "cls", "method", "stand_in"), [
+    (TOKENIZER_MANAGER, "TokenizerManager", "abort_request", StandInTokenizerManager.abort_request),
+    (ENGINE, "Engine", "shutdown", StandInSGLang.shutdown),
+])
+def test_abort_and_shutdown_have_the_stand_in_s_parameters(sglang, module, cls, method, stand_in):
+    real = sglang.method(sglang.cls(module, cls), method)
+    assert isinstance(real, ast.FunctionDef)  # called without await
+    assert _parameters(real) == list(inspect.signature(stand_in).parameters)
+
+
+def test_every_sampling_param_is_an_sglang_sampling_param(sglang):
+    fields = sglang.fields(sglang.cls(SAMPLING, "SamplingParams"))
+    _assert_accepted(_every_sampling_param(), fields, "SamplingParams")
+    _assert_accepted(HEALTH_SAMPLING, fields, "SamplingParams")
+
+
+def test_minus_one_disables_top_k(sglang):
+    post_init = sglang.method(sglang.cls(SAMPLING, "SamplingParams"), "__post_init__")
+    compared = [ast.literal_eval(node.comparators[0]) for node in ast.walk(post_init)
+                if isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.Eq)
+                and ast.unparse(node.left) == "self.top_k"]
+    assert TOP_K_DISABLED in compared
+
+
+def test_every_finish_type_sglang_reports_is_one_of_ours(sglang):
+    types = set()
+    for cls in ast.walk(sglang.module(SCHEDULE_BATCH)):
+        if isinstance(cls, ast.ClassDef) and any(ast.unparse(b) == "BaseFinishReason" for b in cls.bases):
+            for node in ast.walk(sglang.method(cls, "to_json")):
+                if isinstance(node, ast.Dict):
+                    types |= {ast.literal_eval(v) for k, v in zip(node.keys, node.values)
+                              if isinstance(k, ast.Constant) and k.value == "type"}
+    assert types and types <= set(FINISH_TYPES)
+
+
+def test_token_id_outputs_are_output_ids_with_meta_info_and_a_finish_reason(sglang):
+    handle = sglang.method(sglang.cls(TOKENIZER_MANAGER, "TokenizerManager"), "_handle_batch_output")
+    key_sets = [{k.value for k in node.keys if isinstance(k, ast.Constant)}
+                for node in ast.walk(handle) if isinstance(node, ast.Dict)]
+    assert {"output_ids", "meta_info"} in key_sets  # the skip_tokenizer_init branch: no "text"
+    assert any("finish_reason" in keys for keys in key_sets)
+
+
+def test_health_probes_use_sglang_s_health_check_prefix(sglang):
+    (prefix,) = [node.value for node in sglang.module("sglang.srt.constants").body if isinstance(node, ast.Assign)
+                 and ast.unparse(node.targets[0]) == "HEALTH_CHECK_RID_PREFIX"]
+    assert ast.literal_eval(prefix) == HEALTH_RID_PREFIX
+
+
+def test_sglang_metrics_are_written_to_the_node_s_metrics_folder(sglang, tmp_path, monkeypatch):
+    """With enable_metrics SGLang calls set_prometheus_multiproc_dir() before starting its
+    processes; run SGLang's own function: a PROMETHEUS_MULTIPROC_DIR already set (the replica's
+    node folder) must stay the folder its processes write to."""
+    function = sglang.function("sglang.srt.utils.common", "set_prometheus_multiproc_dir")
+    namespace = {"os": os, "tempfile": tempfile, "logger": logging.getLogger("sglang")}
+    exec(compile(ast.Module([function], type_ignores=[]), "sglang/srt/utils/common.py", "exec"), namespace)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    namespace["set_prometheus_multiproc_dir"]()
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path)
