@@ -17,10 +17,11 @@ from SGLang's batch at its next step.
 
 Launch settings the engine owns (OWNED_ARGS; `engine_args` may not set them): the model path,
 `tp_size`, `context_length` (the tier's max_seq_len, capped by the model), `dtype`,
-`max_running_requests` (the tier's max_batch), `mem_fraction_static`, `enable_metrics` (SGLang's
-own `sglang:*` metrics, written to PROMETHEUS_MULTIPROC_DIR, the node's megaserve metrics folder,
-and so served beside ours), and `skip_tokenizer_init` (always on: token ids in and out, replicas
-never see text). `enable_priority_scheduling` is on unless `engine_args` says otherwise, so that
+`max_running_requests` (the tier's max_batch), `enable_metrics` (SGLang's own `sglang:*` metrics,
+written to PROMETHEUS_MULTIPROC_DIR, the node's megaserve metrics folder, and so served beside
+ours), and `skip_tokenizer_init` (always on: token ids in and out, replicas never see text). Any
+other `ServerArgs` field (e.g. mem_fraction_static) comes through `engine_args`.
+`enable_priority_scheduling` is on unless `engine_args` says otherwise, so that
 `GenerateRequest.priority` orders SGLang's queue, larger first (SGLang's default direction). A seed
 maps to SGLang's `sampling_seed`, which SGLang honours when started with
 `enable_deterministic_inference`.
@@ -68,8 +69,8 @@ from .validation import check_context, check_token_ids
 INSTALL_HINT = "pip install 'megaserve[sglang]'"
 SGLANG_DEFAULTS: dict[str, Any] = {"enable_priority_scheduling": True}
 OWNED_ARGS = (
-    "model_path", "tp_size", "context_length", "dtype", "max_running_requests",
-    "mem_fraction_static", "enable_metrics", "skip_tokenizer_init",
+    "model_path", "tp_size", "context_length", "dtype", "max_running_requests", "enable_metrics",
+    "skip_tokenizer_init",
 )
 INCREMENTAL_ARG = "incremental_streaming_output"
 TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k"
@@ -113,7 +114,6 @@ def engine_launch_args(
     context_length: int,
     dtype: str = "auto",
     max_running_requests: int | None = None,
-    mem_fraction_static: float | None = None,
     enable_metrics: bool = True,
     engine_args: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -125,12 +125,9 @@ def engine_launch_args(
         raise ValueError(f"engine_args must not set {owned}: the engine sets them from its own arguments")
     if tp_size < 1:
         raise ValueError(f"tp_size must be at least 1, got {tp_size}")
-    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
-        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
     settings = {
         "model_path": str(model_dir), "tp_size": tp_size, "context_length": context_length,
-        "dtype": dtype, "max_running_requests": max_running_requests,
-        "mem_fraction_static": mem_fraction_static, "enable_metrics": enable_metrics,
+        "dtype": dtype, "max_running_requests": max_running_requests, "enable_metrics": enable_metrics,
         "skip_tokenizer_init": True,
     }
     return {**SGLANG_DEFAULTS, **engine_args, **{k: v for k, v in settings.items() if v is not None}}
@@ -190,7 +187,6 @@ class SGLangEngine(Engine):
         max_seq: int | None = None,
         max_batch: int | None = None,
         dtype: str = "auto",
-        mem_fraction_static: float | None = None,
         enable_metrics: bool = True,
         engine_args: Mapping[str, Any] | None = None,
         coalesce: CoalescePolicy = CoalescePolicy(),
@@ -199,8 +195,8 @@ class SGLangEngine(Engine):
         health_timeout_seconds: float = HEALTH_TIMEOUT_SECONDS,
         launch: Callable[..., Any] | None = None,
     ) -> None:
-        """`max_batch` becomes SGLang's max_running_requests; `engine_args` are further
-        `ServerArgs` fields. `launch` starts SGLang from the launch arguments: `sglang.Engine`
+        """`max_seq` (capped by the model) becomes SGLang's context_length, `max_batch` its
+        max_running_requests; `engine_args` are further `ServerArgs` fields. `launch` starts SGLang from the launch arguments: `sglang.Engine`
         unless given (tests pass a stand-in)."""
         launch = launch or _sglang_engine_class()
         engine_args = dict(engine_args or {})
@@ -212,8 +208,7 @@ class SGLangEngine(Engine):
         self.metrics = EngineMetrics(Tier(tier).value, self.model_name)
         self.launch_args = engine_launch_args(
             model_dir, tp_size=tp_size, context_length=self.max_context, dtype=dtype,
-            max_running_requests=max_batch, mem_fraction_static=mem_fraction_static,
-            enable_metrics=enable_metrics, engine_args=engine_args,
+            max_running_requests=max_batch, enable_metrics=enable_metrics, engine_args=engine_args,
         )
         self._incremental = bool(self.launch_args.get(INCREMENTAL_ARG, False))
         self._runtime = launch(**self.launch_args)

@@ -49,18 +49,18 @@ def test_defaults_disable_top_k_and_leave_out_unset_fields():
 
 def test_launch_args_layer_defaults_caller_and_owned_settings():
     args = engine_launch_args("/models/m", tp_size=4, context_length=8192, dtype="bfloat16",
-                              max_running_requests=128, mem_fraction_static=0.85,
-                              engine_args={"enable_priority_scheduling": False, "chunked_prefill_size": 4096})
+                              max_running_requests=128,
+                              engine_args={"enable_priority_scheduling": False, "mem_fraction_static": 0.85})
     assert args == {
-        "enable_priority_scheduling": False, "chunked_prefill_size": 4096, "model_path": "/models/m",
+        "enable_priority_scheduling": False, "mem_fraction_static": 0.85, "model_path": "/models/m",
         "tp_size": 4, "context_length": 8192, "dtype": "bfloat16", "max_running_requests": 128,
-        "mem_fraction_static": 0.85, "enable_metrics": True, "skip_tokenizer_init": True,
+        "enable_metrics": True, "skip_tokenizer_init": True,
     }
 
 
 def test_launch_args_leave_unset_limits_to_sglang():
     args = engine_launch_args("/models/m", tp_size=1, context_length=512, enable_metrics=False)
-    assert "max_running_requests" not in args and "mem_fraction_static" not in args
+    assert "max_running_requests" not in args
     assert args["enable_metrics"] is False and args["enable_priority_scheduling"] is True
 
 
@@ -69,7 +69,6 @@ def test_launch_args_leave_unset_limits_to_sglang():
     ({"engine_args": {"skip_tokenizer_init": False, "context_length": 9}},
      "must not set \\['context_length', 'skip_tokenizer_init'\\]"),
     ({"tp_size": 0}, "tp_size must be at least 1"),
-    ({"mem_fraction_static": 1.0}, "mem_fraction_static must be in \\(0, 1\\)"),
 ])
 def test_bad_launch_settings_are_refused(settings, message):
     settings = {"tp_size": 1, "context_length": 512} | settings
@@ -171,11 +170,11 @@ def _sample(name: str, labels: dict[str, str]) -> float:
 
 async def test_the_engine_starts_sglang_with_the_tier_s_settings(make_sglang, tiny_model_dir):
     engine, sglang = make_sglang(tp_size=2, max_seq=256, max_batch=4, dtype="float32",
-                                 mem_fraction_static=0.5, engine_args={"chunked_prefill_size": 64})
+                                 engine_args={"mem_fraction_static": 0.5})
     assert sglang.launch_args == {
-        "enable_priority_scheduling": True, "chunked_prefill_size": 64, "model_path": str(tiny_model_dir),
+        "enable_priority_scheduling": True, "mem_fraction_static": 0.5, "model_path": str(tiny_model_dir),
         "tp_size": 2, "context_length": 256, "dtype": "float32", "max_running_requests": 4,
-        "mem_fraction_static": 0.5, "enable_metrics": True, "skip_tokenizer_init": True,
+        "enable_metrics": True, "skip_tokenizer_init": True,
     }
     assert (engine.vocab_size, engine.max_context) == (512, 256)
 
