@@ -9,6 +9,8 @@ selectors, and the environment every megaserve process starts with (the node's m
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from typing import Any
 
 from ray.serve import Application
@@ -17,6 +19,7 @@ from megaserve.deploy.config import AppConfig, LatencyTier, ThroughputTier, Tier
 from megaserve.deploy.env import Environment
 from megaserve.monitoring.exporter import MULTIPROC_ENV
 from megaserve.replicas.deployments import LatencyReplica, ReplicaSpec, ThroughputReplica
+from megaserve.replicas.engines.sglang_engine import INSTALL_HINT
 from megaserve.replicas.protocol import Tier
 from megaserve.router.deployment import RouterDeployment
 from megaserve.router.settings import RouterSettings
@@ -27,6 +30,8 @@ GPU_PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
 # group the demand must fit the bundle, so every bundle carries it (and lands on an X node).
 ACCELERATOR_RESOURCE_PREFIX = "accelerator_type:"
 ACCELERATOR_RESOURCE_DEMAND = 0.001
+
+log = logging.getLogger(__name__)
 
 
 def _process_env(config: AppConfig, env: Environment) -> dict[str, str]:
@@ -91,8 +96,11 @@ def _engine_settings(tier_name: Tier, tier: TierCommon, config: AppConfig, env: 
         "coalesce_seconds": tier.coalesce_seconds,
         "coalesce_tokens": tier.coalesce_tokens,
     }
-    if engine == "sglang":  # SGLang owns its device, dtype and KV cache
-        return {**common, "tp_size": tier.tp_size, "engine_args": dict(config.throughput.sglang_args)}
+    if engine == "sglang":  # SGLang owns its device and KV cache; it sees the replica's GPUs
+        sglang = config.throughput
+        return {**common, "tp_size": sglang.tp_size, "max_seq": sglang.max_seq_len,
+                "max_batch": sglang.max_batch, "dtype": config.model.dtype,
+                "enable_metrics": sglang.sglang_metrics, "engine_args": dict(sglang.sglang_args)}
     local = {**common, "device": tier.device, "dtype": config.model.dtype, "max_seq": tier.max_seq_len}
     if engine == "megakernel":
         return {**local, "kernel_cache": str(env.kernel_cache)}
@@ -143,9 +151,24 @@ def router_settings(config: AppConfig, env: Environment, model_dir: str) -> Rout
     )
 
 
+def warn_if_sglang_is_missing(config: AppConfig) -> bool:
+    """Warn (and return True) when the throughput tier runs SGLang and this node cannot import it.
+
+    A warning, not an error: the app is built where Serve's controller runs (a cluster's head
+    node, often without GPUs or their packages), and the replicas that need SGLang run on the GPU
+    nodes, where SGLangEngine refuses to start without it, naming the install command."""
+    tier = config.throughput
+    if not (tier.enabled and tier.engine == "sglang") or importlib.util.find_spec("sglang"):
+        return False
+    log.warning("throughput.engine is sglang but SGLang is not installed on this node; every GPU node "
+                "that hosts throughput replicas needs it: %s", INSTALL_HINT)
+    return True
+
+
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Build the whole app: router ingress bound to one deployment per enabled tier."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    warn_if_sglang_is_missing(config)
     env = Environment.read()
     process_env = _process_env(config, env)
     directory = model_dir(config, env)

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from megaserve.replicas.engines.sglang_engine import OWNED_ARGS as SGLANG_OWNED_ARGS
 from megaserve.router.settings import (
     DEFAULT_LATENCY_MAX_PROMPT_TOKENS,
     DEFAULT_LATENCY_WAIT_SECONDS,
@@ -19,6 +20,7 @@ from megaserve.router.settings import (
 )
 
 DEMO_MODEL_NAME = "megaserve-demo"
+SGLANG_ONLY_FIELDS = {"sglang_metrics", "sglang_args"}  # throughput fields for engine sglang alone
 
 
 class _Strict(BaseModel):
@@ -121,17 +123,26 @@ class LatencyTier(TierCommon):
 class ThroughputTier(TierCommon):
     engine: Literal["torch", "sglang"] = Field(
         "torch", description="Batched engine: `torch` (continuous batching, CPU or GPU) or "
-        "`sglang` (stock SGLang, cuda only, `pip install megaserve[sglang]`).",
+        "`sglang` (stock SGLang, cuda only, `pip install 'megaserve[sglang]'` on every GPU node).",
     )
     max_batch: int = Field(
-        8, ge=1, description="Sequences decoded together per replica (torch engine's KV slots)."
+        8, ge=1, description="Sequences decoded together per replica (torch: its KV slots; "
+        "sglang: its max_running_requests).",
     )
     max_ongoing_requests: int = Field(
         32, ge=1, description="Requests a replica accepts at once (running + queued inside it).",
     )
+    sglang_metrics: bool = Field(
+        True, description="engine sglang: SGLang's own Prometheus metrics (`sglang:*`, its "
+        "enable_metrics), written to metrics.multiproc_dir and served on metrics.port beside "
+        "megaserve's.",
+    )
     sglang_args: dict[str, object] = Field(
-        default_factory=dict, description="Extra keyword arguments for `sglang.Engine` "
-        "(e.g. mem_fraction_static); the tier's tp_size and the model path are set for you.",
+        default_factory=dict, description="engine sglang: further `sglang.Engine` keyword "
+        "arguments (SGLang ServerArgs fields, e.g. mem_fraction_static, chunked_prefill_size, "
+        "enable_deterministic_inference for seeded sampling). The ones megaserve sets are refused "
+        "here: model_path (model.path), tp_size, context_length (max_seq_len), dtype (model.dtype), "
+        "max_running_requests (max_batch), enable_metrics (sglang_metrics), skip_tokenizer_init.",
     )
 
     @model_validator(mode="after")
@@ -141,8 +152,14 @@ class ThroughputTier(TierCommon):
         if self.nodes_per_replica > 1:
             raise ValueError(f"throughput.nodes_per_replica > 1 is not supported by engine "
                              f"{self.engine}: its tensor-parallel group runs on one node")
-        if self.sglang_args and self.engine != "sglang":
-            raise ValueError("throughput.sglang_args is only used with engine: sglang")
+        sglang_only = sorted(SGLANG_ONLY_FIELDS & self.model_fields_set)
+        if self.engine != "sglang" and sglang_only:
+            raise ValueError(f"{', '.join('throughput.' + f for f in sglang_only)}: only used with "
+                             f"engine: sglang")
+        owned = sorted(set(SGLANG_OWNED_ARGS) & set(self.sglang_args))
+        if owned:
+            raise ValueError(f"throughput.sglang_args must not set {owned}: megaserve sets them from "
+                             f"the config (see the field's description)")
         if self.max_ongoing_requests < self.max_batch:
             raise ValueError("throughput.max_ongoing_requests must be >= max_batch")
         return self

@@ -1,0 +1,98 @@
+"""A throughput tier on SGLang: what the config accepts and refuses, what the builder gives its
+replicas (GPUs in one bundle, SGLang's launch settings, the metrics folder), and the error a
+replica gives where SGLang is not installed (as on this machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+from pydantic import ValidationError
+
+from megaserve.deploy import builder
+from megaserve.deploy.config import AppConfig
+from megaserve.deploy.env import Environment
+from megaserve.replicas.deployments import ReplicaSpec, _Replica
+from megaserve.replicas.protocol import Tier
+from tests.model_factory import make_tiny_model
+
+SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
+ANY_FREE_PORT = 0
+SGLANG_TIER = {
+    "device": "cuda", "engine": "sglang", "tp_size": 4, "accelerator_type": "H200", "cpus_per_replica": 8,
+    "max_seq_len": 8192, "max_batch": 128, "max_ongoing_requests": 256,
+    "sglang_args": {"mem_fraction_static": 0.85, "chunked_prefill_size": 4096},
+}
+
+
+def _config(**throughput) -> AppConfig:
+    return AppConfig.model_validate({"model": {"path": "/models/m", "dtype": "bfloat16"},
+                                     "latency": {"enabled": False},
+                                     "throughput": SGLANG_TIER | throughput})
+
+
+def _env(tmp_path) -> Environment:
+    return Environment(home=tmp_path, kernel_cache=tmp_path / "k", api_keys=())
+
+
+def test_the_replica_starts_sglang_with_the_tier_s_settings(tmp_path):
+    config = _config()
+    settings = builder._engine_settings(Tier.THROUGHPUT, config.throughput, config, _env(tmp_path), "sglang",
+                                        config.throughput.max_batch)
+    assert settings == {
+        "model_name": "megaserve-demo", "tier": "throughput", "coalesce_seconds": 0.005, "coalesce_tokens": 16,
+        "tp_size": 4, "max_seq": 8192, "max_batch": 128, "dtype": "bfloat16", "enable_metrics": True,
+        "engine_args": {"mem_fraction_static": 0.85, "chunked_prefill_size": 4096},
+    }
+    assert _config(sglang_metrics=False).throughput.sglang_metrics is False
+
+
+def test_the_replica_holds_its_tp_group_s_gpus_in_one_bundle_and_writes_to_the_metrics_folder(tmp_path):
+    config = _config()
+    options = builder._actor_options(config.throughput, builder._process_env(config, _env(tmp_path)))
+    # SGLang starts one scheduler process per GPU the replica actor sees: all tp_size of them.
+    assert options["num_gpus"] == 4
+    env_vars = options["runtime_env"]["env_vars"]
+    assert env_vars["PROMETHEUS_MULTIPROC_DIR"] == config.metrics.multiproc_dir  # sglang:* metrics too
+    assert env_vars["NCCL_NVLS_ENABLE"] == "0"
+    assert builder._placement(config.throughput) == {
+        "placement_group_bundles": [{"CPU": 8, "GPU": 4, "accelerator_type:H200": 0.001}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
+@pytest.mark.parametrize(("throughput", "message"), [
+    ({"engine": "torch", "sglang_args": {}}, "throughput.sglang_args: only used with engine: sglang"),
+    ({"engine": "torch", "sglang_metrics": False, "sglang_args": {}},
+     "throughput.sglang_args, throughput.sglang_metrics: only used with engine: sglang"),
+    ({"sglang_args": {"tp_size": 2, "context_length": 4096}},
+     "sglang_args must not set \\['context_length', 'tp_size'\\]"),
+    ({"sglang_args": {"skip_tokenizer_init": False}}, "must not set \\['skip_tokenizer_init'\\]"),
+    ({"device": "cpu", "tp_size": 1, "accelerator_type": None}, "engine sglang needs throughput.device: cuda"),
+    ({"nodes_per_replica": 2, "tp_size": 8}, "not supported by engine sglang"),
+])
+def test_bad_sglang_tiers_fail_with_a_message_naming_the_field(throughput, message):
+    with pytest.raises(ValidationError, match=message):
+        _config(**throughput)
+
+
+@pytest.mark.skipif(SGLANG_INSTALLED, reason="SGLang is installed here")
+def test_building_an_sglang_app_where_sglang_is_missing_warns_with_the_install_command(caplog):
+    with caplog.at_level(logging.WARNING, logger=builder.__name__):
+        assert builder.warn_if_sglang_is_missing(_config())
+    assert "pip install 'megaserve[sglang]'" in caplog.text
+    assert not builder.warn_if_sglang_is_missing(AppConfig())  # the torch engine needs no SGLang
+
+
+@pytest.mark.skipif(SGLANG_INSTALLED, reason="SGLang is installed here")
+# Python's garbage collector calls the half-built replica's __del__, which is Serve's async one.
+@pytest.mark.filterwarnings("ignore:coroutine '_Replica.__del__' was never awaited:RuntimeWarning")
+def test_a_replica_without_sglang_fails_to_start_with_the_install_command(tmp_path):
+    config = _config(max_seq_len=256)
+    settings = builder._engine_settings(Tier.THROUGHPUT, config.throughput, config, _env(tmp_path), "sglang",
+                                        config.throughput.max_batch)
+    spec = ReplicaSpec(engine="sglang", engine_settings=settings, metrics_port=ANY_FREE_PORT,
+                       model_dir=str(make_tiny_model(tmp_path / "model", "llama")))
+    with pytest.raises(RuntimeError, match="the sglang engine needs SGLang: pip install 'megaserve\\[sglang\\]'"):
+        _Replica(spec)
