@@ -31,6 +31,9 @@ previous chunk (since submission for the first one, so it includes SGLang's queu
 split evenly; these are the values recorded as the prefill and decode step durations, once per
 chunk of each request (so a batched step is observed once per request in it).
 
+`shutdown()` ends SGLang's processes; SGLang does it by ending every child process of this
+process, so an SGLangEngine needs a process of its own (a Serve replica is one).
+
 Health: a one-token generation, as SGLang's own /health_generate does. Under load the probe may
 wait in SGLang's queue; output reaching any other request in the meantime proves SGLang alive too.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import re
 import zipfile
-from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -41,13 +40,15 @@ def wheel_path() -> Path:
 class SGLangSource:
     def __init__(self, wheel: Path) -> None:
         self.wheel = zipfile.ZipFile(wheel)
+        self._modules: dict[str, ast.Module] = {}
 
     def text(self, path: str) -> str:
         return self.wheel.read(path).decode()
 
-    @cache
     def module(self, dotted: str) -> ast.Module:
-        return ast.parse(self.text(dotted.replace(".", "/") + ".py"))
+        if dotted not in self._modules:
+            self._modules[dotted] = ast.parse(self.text(dotted.replace(".", "/") + ".py"))
+        return self._modules[dotted]
 
     def cls(self, dotted_module: str, name: str) -> ast.ClassDef:
         for node in self.module(dotted_module).body:
@@ -62,16 +63,16 @@ class SGLangSource:
         raise AssertionError(f"{dotted_module} has no function {name}")
 
     @staticmethod
-    def method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
-        for node in cls.body:
+    def method(class_def: ast.ClassDef, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+        for node in class_def.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
                 return node
-        raise AssertionError(f"{cls.name} has no method {name}")
+        raise AssertionError(f"{class_def.name} has no method {name}")
 
     @staticmethod
-    def fields(cls: ast.ClassDef) -> dict[str, ast.expr]:
+    def fields(class_def: ast.ClassDef) -> dict[str, ast.expr]:
         """A dataclass-like class's fields: name -> annotation."""
-        return {node.target.id: node.annotation for node in cls.body
+        return {node.target.id: node.annotation for node in class_def.body
                 if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
 
     def server_args_fields(self) -> dict[str, ast.expr]:

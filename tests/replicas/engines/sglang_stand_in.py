@@ -41,8 +41,8 @@ class StandInSGLang:
                              priority: int, stream: bool) -> AsyncIterator[dict[str, Any]]:
         if not stream:
             raise ValueError("the stand-in streams only")
-        self.requests.append(dict(input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-                                  priority=priority, stream=stream))
+        self.requests.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+                              "priority": priority, "stream": stream})
         return self._outputs(input_ids, sampling_params, rid, self.stalled, self.failure)
 
     async def _outputs(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
