@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
+from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from megaserve.deploy import builder
@@ -18,6 +21,7 @@ from megaserve.replicas.protocol import Tier
 from tests.model_factory import make_tiny_model
 
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
+README = Path(__file__).resolve().parents[2] / "README.md"
 ANY_FREE_PORT = 0
 SGLANG_TIER = {
     "device": "cuda", "engine": "sglang", "tp_size": 4, "accelerator_type": "H200", "cpus_per_replica": 8,
@@ -96,3 +100,11 @@ def test_a_replica_without_sglang_fails_to_start_with_the_install_command(tmp_pa
                        model_dir=str(make_tiny_model(tmp_path / "model", "llama")))
     with pytest.raises(RuntimeError, match="the sglang engine needs SGLang: pip install 'megaserve\\[sglang\\]'"):
         _Replica(spec)
+
+
+def test_the_readme_s_sglang_example_is_a_valid_throughput_tier():
+    section = README.read_text().split("## Throughput tier on SGLang", 1)[1]
+    example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1))
+    throughput = AppConfig.model_validate({"latency": {"enabled": False}, **example}).throughput
+    assert throughput.engine == "sglang" and throughput.tp_size == 4
+    assert throughput.sglang_args == {"mem_fraction_static": 0.85}
