@@ -10,7 +10,7 @@ stream (client disconnect), which closes the engine's async generator at the nex
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
 from ray import serve
@@ -54,8 +54,12 @@ class _Replica:
         if not report.healthy:
             raise RuntimeError(f"engine unhealthy: {report.detail}")
 
-    async def __del__(self) -> None:
-        await self.engine.shutdown()
+    def __del__(self) -> Awaitable[None] | None:
+        """Serve's teardown hook: Serve calls it once and awaits the engine shutdown it returns.
+        Python calls it again when it frees the replica; then, and when the engine never started,
+        there is nothing to do (and no coroutine is made that nobody would await)."""
+        engine, self.engine = getattr(self, "engine", None), None
+        return engine.shutdown() if engine is not None else None
 
 
 @serve.deployment(max_ongoing_requests=1, health_check_period_s=10)

@@ -90,8 +90,6 @@ def test_building_an_sglang_app_where_sglang_is_missing_warns_with_the_install_c
 
 
 @pytest.mark.skipif(SGLANG_INSTALLED, reason="SGLang is installed here")
-# Python's garbage collector calls the half-built replica's __del__, which is Serve's async one.
-@pytest.mark.filterwarnings("ignore:coroutine '_Replica.__del__' was never awaited:RuntimeWarning")
 def test_a_replica_without_sglang_fails_to_start_with_the_install_command(tmp_path):
     config = _config(max_seq_len=256)
     settings = builder._engine_settings(Tier.THROUGHPUT, config.throughput, config, _env(tmp_path), "sglang",
