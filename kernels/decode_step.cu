@@ -118,6 +118,7 @@ struct SharedStorage {
   };
   float reduce[kWarps];
   unsigned long long best[kWarps];
+  float2 split_sums[kWarps];  // per-warp partial dots of a row pair shared by warps (gemv_row_pairs)
 };
 
 constexpr int kStaticSharedLimit = 48 * 1024;
@@ -147,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bf16* residual = l == 0 ? embed_row : hidden;  // layer 0 reads the embedding in place
 
     rms_norm_to_shared<S::hidden>(residual, w.attn_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, [&](int p, float d0, float d1) {
+    gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, [&](int p, float d0, float d1) {
       reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
     });
     grid_barrier(barrier);
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     timer.mark();
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
-    gemv_row_pairs<S::q_dim>(kOPairs, sh.x, OProjRows<S>{w.wo}, [&](int p, float d0, float d1) {
+    gemv_row_pairs<S::q_dim>(kOPairs, sh.x, OProjRows<S>{w.wo}, sh.split_sums, [&](int p, float d0, float d1) {
       const float2 res = __bfloat1622float2(__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p));
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     timer.mark();
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(kGateUpPairs, sh.x, GateUpRows<S>{w}, [&](int i, float gate, float up) {
+    gemv_row_pairs<S::hidden>(kGateUpPairs, sh.x, GateUpRows<S>{w}, sh.split_sums, [&](int i, float gate, float up) {
       const float g = bf16_round(gate);
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     timer.mark();
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
-    gemv_row_pairs<S::intermediate>(kDownPairs, sh.x, DownRows<S>{w.w_down}, [&](int p, float d0, float d1) {
+    gemv_row_pairs<S::intermediate>(kDownPairs, sh.x, DownRows<S>{w.w_down}, sh.split_sums, [&](int p, float d0, float d1) {
       __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(hidden) + p;
       const float2 res = __bfloat1622float2(__ldcg(h));
       *h = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
@@ -189,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // argmax (first maximum on ties) matches it.
   rms_norm_to_shared<S::hidden>(hidden, final_norm, rms_eps, sh.x, sh.reduce);
   unsigned long long best = 0;
-  gemv_row_pairs<S::hidden>(kLmHeadPairs, sh.x, LmHeadRows<S>{lm_head}, [&](int p, float d0, float d1) {
+  gemv_row_pairs<S::hidden>(kLmHeadPairs, sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, [&](int p, float d0, float d1) {
     const float l0 = bf16_round(d0), l1 = bf16_round(d1);
     logits[2 * p] = l0;
     const unsigned long long k0 = argmax_key(l0, 2 * p);

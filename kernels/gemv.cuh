@@ -60,21 +60,20 @@ __device__ __forceinline__ void rms_norm_to_shared(const bf16* x, const bf16* we
   __syncthreads();
 }
 
-// (w0 . x, w1 . x) for two weight rows of length K and x (shared, bf16 [K]); every lane gets both.
-template <int K>
-__device__ __forceinline__ float2 dot_rows2(const bf16* w0, const bf16* w1, const bf16* x, int lane) {
-  static_assert(K % kVecElems == 0, "row length must be a multiple of 8");
-  constexpr int kVecs = K / kVecElems;
+// (w0 . x, w1 . x) over the 16-byte vectors [first, end) of two weight rows and x (shared, bf16);
+// every lane gets both. Inlined with constant bounds when a warp reads whole rows.
+__device__ __forceinline__ float2 dot_rows2(const bf16* w0, const bf16* w1, const bf16* x, int lane, int first,
+                                            int end) {
   constexpr int kStride = kWarpSize * kLoadsInFlight;
   const uint4* x_vec = reinterpret_cast<const uint4*>(x);
   float acc0 = 0.f, acc1 = 0.f;
-  for (int base = 0; base < kVecs; base += kStride) {
+  for (int base = first; base < end; base += kStride) {
     uint4 r0[kLoadsInFlight], r1[kLoadsInFlight];
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const int v = base + u * kWarpSize + lane;
       r0[u] = r1[u] = make_uint4(0, 0, 0, 0);
-      if (kVecs % kStride == 0 || v < kVecs) {
+      if (v < end) {
         r0[u] = load_weights16(w0 + v * kVecElems);
         r1[u] = load_weights16(w1 + v * kVecElems);
       }
@@ -82,7 +81,7 @@ __device__ __forceinline__ float2 dot_rows2(const bf16* w0, const bf16* w1, cons
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const int v = base + u * kWarpSize + lane;
-      if (kVecs % kStride == 0 || v < kVecs) {
+      if (v < end) {
         const uint4 xv = x_vec[v];
         acc0 = dot8(r0[u], xv, acc0);
         acc1 = dot8(r1[u], xv, acc1);
@@ -92,16 +91,57 @@ __device__ __forceinline__ float2 dot_rows2(const bf16* w0, const bf16* w1, cons
   return make_float2(warp_sum(acc0), warp_sum(acc1));
 }
 
+// How many warps share one row pair, each reading a 1/split slice of K. With fewer pairs than
+// warps in the grid (Llama-3.2-1B's O and down: 1,024 pairs for 2,112 warps on 132 SMs) or an
+// uneven last round (8B QKV: 3,072 pairs = 1.45 rounds), whole rows leave warps idle; the split
+// minimises the rounds of slices, ceil(pairs * split / warps) / split, the smallest split on ties.
+// A slice is at least one 16-byte load per lane, and split divides the CTA's warps.
+template <int K>
+__device__ __forceinline__ int k_split(int num_pairs, int grid_warps) {
+  constexpr int kVecs = K / kVecElems;
+  int best = 1, best_rounds = (num_pairs + grid_warps - 1) / grid_warps;
+  for (int split = 2; split <= kWarps && kVecs % (split * kWarpSize) == 0; split *= 2) {
+    const int rounds = (num_pairs * split + grid_warps - 1) / grid_warps;
+    if (rounds * best < best_rounds * split) best = split, best_rounds = rounds;
+  }
+  return best;
+}
+
 // Every warp of the grid takes pairs of rows in turn. rows(p) -> {w0, w1} gives pair p's two rows
-// (each K long); lane 0 of the warp then calls epilogue(p, dot0, dot1).
+// (each K long); lane 0 of one warp then calls epilogue(p, dot0, dot1). When warps share a pair
+// (k_split), they are warps of one CTA and add their slices through split_sums (shared, [kWarps]).
 template <int K, class Rows, class Epilogue>
-__device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Rows rows, Epilogue epilogue) {
-  const int lane = threadIdx.x % kWarpSize;
+__device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Rows rows, float2* split_sums,
+                                               Epilogue epilogue) {
+  static_assert(K % kVecElems == 0, "row length must be a multiple of 8");
+  constexpr int kVecs = K / kVecElems;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int grid_warps = gridDim.x * kWarps;
-  for (int p = blockIdx.x * kWarps + threadIdx.x / kWarpSize; p < num_pairs; p += grid_warps) {
-    const RowPair pair = rows(p);
-    const float2 d = dot_rows2<K>(pair.w0, pair.w1, x, lane);
-    if (lane == 0) epilogue(p, d.x, d.y);
+  const int split = k_split<K>(num_pairs, grid_warps);
+  if (split == 1) {
+    for (int p = blockIdx.x * kWarps + warp; p < num_pairs; p += grid_warps) {
+      const RowPair pair = rows(p);
+      const float2 d = dot_rows2(pair.w0, pair.w1, x, lane, 0, kVecs);
+      if (lane == 0) epilogue(p, d.x, d.y);
+    }
+    return;
+  }
+  const int pairs_per_cta = kWarps / split, slice = warp % split, slice_vecs = kVecs / split;
+  // The loop condition is the same for the whole CTA: its __syncthreads are reached by every thread.
+  for (int first = blockIdx.x * pairs_per_cta; first < num_pairs; first += gridDim.x * pairs_per_cta) {
+    const int p = first + warp / split;
+    if (p < num_pairs) {
+      const RowPair pair = rows(p);
+      const float2 d = dot_rows2(pair.w0, pair.w1, x, lane, slice * slice_vecs, (slice + 1) * slice_vecs);
+      if (lane == 0) split_sums[warp] = d;
+    }
+    __syncthreads();
+    if (p < num_pairs && slice == 0 && lane == 0) {
+      float2 d = split_sums[warp];
+      for (int i = 1; i < split; ++i) d.x += split_sums[warp + i].x, d.y += split_sums[warp + i].y;
+      epilogue(p, d.x, d.y);
+    }
+    __syncthreads();  // split_sums is rewritten by the next round
   }
 }
 
