@@ -16,6 +16,48 @@ constexpr int kKvRowBytesPerIter = 1024;  // bytes of one warp's K (and as many 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -cuda::std::numeric_limits<float>::infinity();
 
+__host__ __device__ constexpr int pow2_floor(int n) {
+  int p = 1;
+  while (2 * p <= n) p *= 2;
+  return p;
+}
+
+__host__ __device__ constexpr int pow2_ceil(int n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// One level of warp_reduce_scatter: kCount slots remain; keep half, hand the other half to the
+// lane kOffset away and add what it hands back. Templated so every index is a constant (registers).
+template <int kCount, int kOffset, int kSlots>
+__device__ __forceinline__ void reduce_scatter_level(float (&partial)[kSlots], int lane) {
+  if constexpr (kCount > 1) {
+    const bool upper = lane & kOffset;  // this lane keeps the upper half of the remaining slots
+#pragma unroll
+    for (int i = 0; i < kCount / 2; ++i) {
+      const float give = upper ? partial[i] : partial[i + kCount / 2];
+      const float keep = upper ? partial[i + kCount / 2] : partial[i];
+      partial[i] = keep + __shfl_xor_sync(kFullMask, give, kOffset);
+    }
+    reduce_scatter_level<kCount / 2, kOffset / 2>(partial, lane);
+  }
+}
+
+// Reduce-scatter over the warp: every lane holds kSlots partial sums; afterwards lane l holds the
+// full sum of slot l / (kWarpSize / kSlots). Each level hands half of the remaining slots to the
+// partner lane, so kSlots dot products cost kSlots - 1 + log2(kWarpSize / kSlots) shuffles instead
+// of kSlots * log2(kWarpSize) for one warp_sum each.
+template <int kSlots>
+__device__ __forceinline__ float warp_reduce_scatter(float (&partial)[kSlots], int lane) {
+  static_assert(kSlots >= 1 && kSlots <= kWarpSize && (kSlots & (kSlots - 1)) == 0, "slots: a power of 2 <= 32");
+  reduce_scatter_level<kSlots, kWarpSize / 2>(partial, lane);
+  float total = partial[0];
+#pragma unroll
+  for (int offset = kWarpSize / kSlots / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(kFullMask, total, offset);
+  return total;
+}
+
 // Pointers into one layer's KV cache row of this sequence: [kv_heads, max_seq, head_dim] each.
 struct LayerCache {
   bf16* k;
@@ -136,7 +178,13 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
   constexpr int G = S::group;
   constexpr int HD = S::head_dim;
   constexpr int kPerLane = HD / kWarpSize;
-  constexpr int kKeysPerIter = kKvRowBytesPerIter / (HD * 2);
+  static_assert(G <= kWarpSize, "at most 32 query heads per KV head");
+  // Keys per warp and iteration: kKvRowBytesPerIter of K rows, and at most one slot per lane.
+  constexpr int kKeysByBytes = kKvRowBytesPerIter / (HD * 2), kKeysBySlots = pow2_floor(kWarpSize / G);
+  constexpr int kKeysPerIter = kKeysByBytes < kKeysBySlots ? kKeysByBytes : kKeysBySlots;
+  constexpr int kSlots = pow2_ceil(G * kKeysPerIter);  // (head, key) scores of one iteration, padded
+  constexpr int kLanesPerSlot = kWarpSize / kSlots;
+  constexpr int kLanesPerHead = kKeysPerIter * kLanesPerSlot;
   constexpr int kMinKeysPerSplit = kWarps * kKeysPerIter;
   constexpr int kPartialStride = HD + 2;  // acc[HD], max, sum
   const float score_scale = rsqrtf(static_cast<float>(HD)) * kLog2e;  // softmax in base 2
@@ -180,7 +228,10 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
       for (int j = 0; j < kPerLane; ++j) q[h][j] = sh.q[h][lane * kPerLane + j];
 
     // Keys in blocks of kKeysPerIter per warp; the next block's loads are issued before the current
-    // block is computed, so two blocks per warp are in flight.
+    // block is computed, so two blocks per warp are in flight. The block's G x kKeysPerIter scores
+    // are slots of one warp_reduce_scatter: lane l owns slot l / kLanesPerSlot = (head, key), so
+    // the softmax's max, exp and running sum are done once per slot, by its lanes, and each lane
+    // then gathers the probabilities it needs for its head_dim slice of the output.
     using Raw = typename RowSlice<kPerLane>::Raw;
     struct KvBlock {
       Raw k[kKeysPerIter], v[kKeysPerIter];
@@ -195,6 +246,11 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
         }
       }
     };
+    const int slot = lane / kLanesPerSlot;
+    const int slot_head = slot / kKeysPerIter, slot_key = slot % kKeysPerIter;  // slot_head >= G: padding
+    const bool counts_sum = slot_head < G && lane % kLanesPerSlot == 0;  // one lane per slot adds to the sum
+    float slot_max = kNegInf, slot_sum = 0.f;  // running max and sum of the slot's head, over this lane's keys
+
     constexpr int kWarpStride = kWarps * kKeysPerIter;
     SoftmaxState<S> state;
     state.reset();
@@ -206,35 +262,46 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
       float k[kKeysPerIter][kPerLane], v[kKeysPerIter][kPerLane];
 #pragma unroll
       for (int u = 0; u < kKeysPerIter; ++u) unpack_slice<kPerLane>(current.k[u], k[u]), unpack_slice<kPerLane>(current.v[u], v[u]);
+      float partial[kSlots];
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        partial[i] = 0.f;
+        if (i < G * kKeysPerIter) {
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) partial[i] = fmaf(q[i / kKeysPerIter][j], k[i % kKeysPerIter][j], partial[i]);
+        }
+      }
+      const float dot = warp_reduce_scatter<kSlots>(partial, lane);
+      const float score = slot_head < G && t0 + slot_key < end ? dot * score_scale : kNegInf;
+      float block_max = score;  // over the slot's head: kLanesPerHead aligned lanes
+#pragma unroll
+      for (int offset = kLanesPerHead / 2; offset > 0; offset /= 2)
+        block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, offset));
+      const float new_slot_max = fmaxf(slot_max, block_max);  // finite for real heads: key t0 is valid
+      const float p = score == kNegInf ? 0.f : exp2f(score - new_slot_max);
+      slot_sum = (slot_max == kNegInf ? 0.f : slot_sum * exp2f(slot_max - new_slot_max)) + (counts_sum ? p : 0.f);
+      slot_max = new_slot_max;
 #pragma unroll
       for (int h = 0; h < G; ++h) {
-        float score[kKeysPerIter];
-        float new_max = state.max[h];
-#pragma unroll
-        for (int u = 0; u < kKeysPerIter; ++u) {
-          float partial = 0.f;
-#pragma unroll
-          for (int j = 0; j < kPerLane; ++j) partial = fmaf(q[h][j], k[u][j], partial);
-          score[u] = t0 + u < end ? warp_sum(partial) * score_scale : kNegInf;
-          new_max = fmaxf(new_max, score[u]);
-        }
+        const float new_max = __shfl_sync(kFullMask, new_slot_max, h * kLanesPerHead);
         const float correction = exp2f(state.max[h] - new_max);
-        state.sum[h] *= correction;
+        state.max[h] = new_max;
 #pragma unroll
         for (int j = 0; j < kPerLane; ++j) state.acc[h][j] *= correction;
 #pragma unroll
         for (int u = 0; u < kKeysPerIter; ++u) {
-          if (t0 + u < end) {
-            const float p = exp2f(score[u] - new_max);
-            state.sum[h] += p;
+          const float p_hu = __shfl_sync(kFullMask, p, (h * kKeysPerIter + u) * kLanesPerSlot);
 #pragma unroll
-            for (int j = 0; j < kPerLane; ++j) state.acc[h][j] = fmaf(p, v[u][j], state.acc[h][j]);
-          }
+          for (int j = 0; j < kPerLane; ++j) state.acc[h][j] = fmaf(p_hu, v[u][j], state.acc[h][j]);
         }
-        state.max[h] = new_max;
       }
       current = next;
     }
+    // Each head's sum: over its slots' counting lanes.
+#pragma unroll
+    for (int offset = kLanesPerHead / 2; offset > 0; offset /= 2) slot_sum += __shfl_xor_sync(kFullMask, slot_sum, offset);
+#pragma unroll
+    for (int h = 0; h < G; ++h) state.sum[h] = __shfl_sync(kFullMask, slot_sum, h * kLanesPerHead);
 
     // Merge the warps' states pairwise in shared memory; warp 0 ends with the CTA's.
     for (int active = kWarps / 2; active >= 1; active /= 2) {
