@@ -91,20 +91,21 @@ __device__ __forceinline__ float2 dot_rows2(const bf16* w0, const bf16* w1, cons
   return make_float2(warp_sum(acc0), warp_sum(acc1));
 }
 
-// How many warps share one row pair, each reading a 1/split slice of K. With fewer pairs than
-// warps in the grid (Llama-3.2-1B's O and down: 1,024 pairs for 2,112 warps on 132 SMs) or an
-// uneven last round (8B QKV: 3,072 pairs = 1.45 rounds), whole rows leave warps idle; the split
-// minimises the rounds of slices, ceil(pairs * split / warps) / split, the smallest split on ties.
-// A slice is at least one 16-byte load per lane, and split divides the CTA's warps.
+// How many warps share one row pair, each reading a 1/split slice of K: only when whole rows would
+// leave at least half of the grid's warps idle (Llama-3.2-1B's O and down: 1,024 pairs for 2,112
+// warps on 132 SMs), the largest power of 2 with split * pairs <= warps. Each slice keeps
+// kLoadsInFlight loads per lane and row, and split divides the CTA's warps. (Measured on H200:
+// splitting to even out a last partial round - 8B QKV's 1.45 rounds, gate/up's 6.8, the LM head's
+// 30.4 - was slower, up to 2.6x on 8B gate/up: the per-round __syncthreads and the shorter slices
+// cost more than the idle warps.)
 template <int K>
 __device__ __forceinline__ int k_split(int num_pairs, int grid_warps) {
   constexpr int kVecs = K / kVecElems;
-  int best = 1, best_rounds = (num_pairs + grid_warps - 1) / grid_warps;
-  for (int split = 2; split <= kWarps && kVecs % (split * kWarpSize) == 0; split *= 2) {
-    const int rounds = (num_pairs * split + grid_warps - 1) / grid_warps;
-    if (rounds * best < best_rounds * split) best = split, best_rounds = rounds;
-  }
-  return best;
+  int split = 1;
+  while (2 * split <= kWarps && 2 * split * num_pairs <= grid_warps &&
+         kVecs % (2 * split * kWarpSize * kLoadsInFlight) == 0)
+    split *= 2;
+  return split;
 }
 
 // Every warp of the grid takes pairs of rows in turn. rows(p) -> {w0, w1} gives pair p's two rows
