@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 DEMO_NAME = "megaserve-demo"
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # v2: head_dim 64 (2 heads), a shape the decode megakernel runs
 DEMO_SEED = 20261129
 
 VOCAB_SIZE = 512  # BPE tokens + named special tokens + reserved special tokens
@@ -72,8 +72,8 @@ CHAT_TEMPLATE = """\
 HIDDEN_SIZE = 128
 INTERMEDIATE_SIZE = 384
 NUM_LAYERS = 4
-NUM_HEADS = 4
-NUM_KV_HEADS = 2
+NUM_HEADS = 2  # head_dim 64
+NUM_KV_HEADS = 1
 CONTEXT_LENGTH = 2048
 ROPE_THETA = 500000.0
 ROPE_SCALING = {

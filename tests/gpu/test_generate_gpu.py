@@ -19,13 +19,10 @@ from tests.gpu.conftest import LONG_CONTEXT, SHAPES
 from tests.model_factory import make_tiny_model
 
 MAX_TOKENS = 32
-# Both engines prefill with the same PyTorch ops, so the first token is identical; decode steps
-# differ by bf16 rounding order only (rel. err ~1e-2 on the logits, tests/gpu/test_megakernel.py),
-# which flips a greedy choice only at a near-tie. The demo's random weights favour a few tokens by
-# wide margins, so the first AGREEING_PREFIX greedy tokens must match exactly.
-AGREEING_PREFIX = 16
-
-
+# Both engines run the same bf16 weights; decode steps differ by rounding order only (rel. err
+# ~1e-2 on the logits, tests/gpu/test_megakernel.py). On the demo's greedy path from this prompt
+# the top logit leads the second by at least 39% of its value at every one of the 32 steps
+# (transformers, float32), so no rounding difference can flip a choice: all tokens must match.
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
     return str(ensure_demo_model(tmp_path_factory.mktemp("home")))
@@ -61,7 +58,7 @@ def test_megakernel_greedy_matches_the_torch_engine(demo_dir, generate):
     assert len(fast["token_ids"]) == len(fast["step_ms"]) == MAX_TOKENS
     assert fast["finish_reason"] == "length"
     assert all(ms > 0 for ms in fast["step_ms"])
-    assert fast["token_ids"][:AGREEING_PREFIX] == reference["token_ids"][:AGREEING_PREFIX]
+    assert fast["token_ids"] == reference["token_ids"]
 
 
 def test_megakernel_seeded_sampling_is_reproducible(tiny_llama_dir, generate):

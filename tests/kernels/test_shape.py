@@ -7,6 +7,7 @@ import pytest
 from megaserve.kernels.shape import KernelShape, UnsupportedShapeError
 from megaserve.replicas.bench import BENCH_CONFIGS
 from megaserve.replicas.models import ModelConfig
+from megaserve.replicas.models.demo import ensure_demo_model
 from tests.gpu.conftest import SHAPES
 
 TINY = dict(hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=512, vocab=512, layers=2, qk_norm=False)
@@ -35,6 +36,14 @@ def test_gpu_test_shapes_are_supported(name):
     shape = KernelShape.from_config(ModelConfig.from_hf_dict(raw))
     assert shape.qk_norm == (family == "qwen3")
     assert shape.group in (4, 8)
+
+
+def test_the_demo_model_runs_on_the_megakernel(tmp_path):
+    """The embedded default model is what `megaserve up` serves; on a GPU the latency tier's
+    engine is the megakernel, so the demo's shape must be one it compiles."""
+    shape = KernelShape.from_config(ModelConfig.from_hf_dir(ensure_demo_model(tmp_path)))
+    assert shape.head_dim in (64, 128, 256)
+    assert shape.kernel_name(timing=False).startswith("megakernel::decode_step<")
 
 
 @pytest.mark.parametrize(
