@@ -83,19 +83,43 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // which adds 2^31 - (grid - 1): the counter's top bit flips exactly when the last CTA arrives and its
 // low bits return to zero, so the same counter serves every barrier of every launch without a reset.
 // Needs all CTAs co-resident (cooperative launch).
-__device__ __forceinline__ void grid_barrier(unsigned* counter) {
+//
+// Split in arrive and wait so that a CTA can issue loads that need nothing from this stage (the
+// next GEMV's weights) in between. No fence follows the wait: a fence would stall thread 0 until
+// those loads return. Thread 0's acquire load orders its later reads, __syncthreads extends that to
+// the CTA, and every read of another CTA's data goes to L2 (ld.cg / ld.acquire), never to a
+// possibly stale L1 line.
+__device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
   __syncthreads();
+  unsigned before = 0;
   if (threadIdx.x == 0) {
     const unsigned arrive = blockIdx.x == 0 ? kBarrierFlipBit - (gridDim.x - 1) : 1u;
-    __threadfence();
-    const unsigned before = atomicAdd(counter, arrive);
+    __threadfence();  // this CTA's writes of the stage are visible before its arrival is
+    before = atomicAdd(counter, arrive);
+  }
+  return before;  // meaningful in thread 0
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned before) {
+  if (threadIdx.x == 0) {
     unsigned now;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
     } while (((before ^ now) & kBarrierFlipBit) == 0);
-    __threadfence();
   }
   __syncthreads();
+}
+
+// `between` runs after this CTA arrives and before it waits: independent work only.
+template <class Between>
+__device__ __forceinline__ void grid_barrier(unsigned* counter, Between between) {
+  const unsigned before = grid_arrive(counter);
+  between();
+  grid_wait(counter, before);
+}
+
+__device__ __forceinline__ void grid_barrier(unsigned* counter) {
+  grid_wait(counter, grid_arrive(counter));
 }
 
 __device__ __forceinline__ unsigned long long global_timer_ns() {

@@ -10,6 +10,8 @@
 // then final RMSNorm + LM head (logits out, for a sampler) + argmax: block partials, and the last
 // CTA to finish reduces them and advances the step state. Position and input token are read from
 // device memory, so one captured CUDA graph of this launch replays for every step.
+// Weights need nothing from the stage before them, so each GEMV's first weight chunk per warp is
+// loaded while its CTA waits at the grid barrier in front of it (prefetch_weights).
 #include "attention.cuh"
 #include "common.cuh"
 #include "gemv.cuh"
@@ -142,13 +144,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int pos = __ldcg(state + kStatePos);
   const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
   unsigned* barrier = counters + kCounterBarrier;
+  // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
+  // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
+  WeightChunk ahead = prefetch_weights<S::hidden>(kQkvPairs, QkvRows<S>{layers[0]});
 
   for (int l = 0; l < S::layers; ++l) {
     const LayerWeights w = layers[l];
     const bf16* residual = l == 0 ? embed_row : hidden;  // layer 0 reads the embedding in place
 
     rms_norm_to_shared<S::hidden>(residual, w.attn_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, [&](int p, float d0, float d1) {
+    gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
       reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
     });
     grid_barrier(barrier);
@@ -156,33 +161,38 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, rope_inv_freq, pos, max_seq,
                        rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention);
-    grid_barrier(barrier);
+    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
     timer.mark();
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
-    gemv_row_pairs<S::q_dim>(kOPairs, sh.x, OProjRows<S>{w.wo}, sh.split_sums, [&](int p, float d0, float d1) {
+    gemv_row_pairs<S::q_dim>(kOPairs, sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
       const float2 res = __bfloat1622float2(__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p));
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    grid_barrier(barrier);
+    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
     timer.mark();
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(kGateUpPairs, sh.x, GateUpRows<S>{w}, sh.split_sums, [&](int i, float gate, float up) {
+    gemv_row_pairs<S::hidden>(kGateUpPairs, sh.x, GateUpRows<S>{w}, sh.split_sums, ahead, [&](int i, float gate, float up) {
       const float g = bf16_round(gate);
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
     });
-    grid_barrier(barrier);
+    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
     timer.mark();
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
-    gemv_row_pairs<S::intermediate>(kDownPairs, sh.x, DownRows<S>{w.w_down}, sh.split_sums, [&](int p, float d0, float d1) {
+    gemv_row_pairs<S::intermediate>(kDownPairs, sh.x, DownRows<S>{w.w_down}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
       __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(hidden) + p;
       const float2 res = __bfloat1622float2(__ldcg(h));
       *h = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    grid_barrier(barrier);
+    grid_barrier(barrier, [&] {
+      if (l + 1 < S::layers)
+        ahead = prefetch_weights<S::hidden>(kQkvPairs, QkvRows<S>{layers[l + 1]});
+      else
+        ahead = prefetch_weights<S::hidden>(kLmHeadPairs, LmHeadRows<S>{lm_head});
+    });
     timer.mark();
   }
 
@@ -190,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // argmax (first maximum on ties) matches it.
   rms_norm_to_shared<S::hidden>(hidden, final_norm, rms_eps, sh.x, sh.reduce);
   unsigned long long best = 0;
-  gemv_row_pairs<S::hidden>(kLmHeadPairs, sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, [&](int p, float d0, float d1) {
+  gemv_row_pairs<S::hidden>(kLmHeadPairs, sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
     const float l0 = bf16_round(d0), l1 = bf16_round(d1);
     logits[2 * p] = l0;
     const unsigned long long k0 = argmax_key(l0, 2 * p);

@@ -60,37 +60,6 @@ __device__ __forceinline__ void rms_norm_to_shared(const bf16* x, const bf16* we
   __syncthreads();
 }
 
-// (w0 . x, w1 . x) over the 16-byte vectors [first, end) of two weight rows and x (shared, bf16);
-// every lane gets both. Inlined with constant bounds when a warp reads whole rows.
-__device__ __forceinline__ float2 dot_rows2(const bf16* w0, const bf16* w1, const bf16* x, int lane, int first,
-                                            int end) {
-  constexpr int kStride = kWarpSize * kLoadsInFlight;
-  const uint4* x_vec = reinterpret_cast<const uint4*>(x);
-  float acc0 = 0.f, acc1 = 0.f;
-  for (int base = first; base < end; base += kStride) {
-    uint4 r0[kLoadsInFlight], r1[kLoadsInFlight];
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int v = base + u * kWarpSize + lane;
-      r0[u] = r1[u] = make_uint4(0, 0, 0, 0);
-      if (v < end) {
-        r0[u] = load_weights16(w0 + v * kVecElems);
-        r1[u] = load_weights16(w1 + v * kVecElems);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int v = base + u * kWarpSize + lane;
-      if (v < end) {
-        const uint4 xv = x_vec[v];
-        acc0 = dot8(r0[u], xv, acc0);
-        acc1 = dot8(r1[u], xv, acc1);
-      }
-    }
-  }
-  return make_float2(warp_sum(acc0), warp_sum(acc1));
-}
-
 // How many warps share one row pair, each reading a 1/split slice of K: only when whole rows would
 // leave at least half of the grid's warps idle (Llama-3.2-1B's O and down: 1,024 pairs for 2,112
 // warps on 132 SMs), the largest power of 2 with split * pairs <= warps. Each slice keeps
@@ -108,38 +77,105 @@ __device__ __forceinline__ int k_split(int num_pairs, int grid_warps) {
   return split;
 }
 
+// A warp's share of a GEMV: row pairs first_pair, first_pair + pair_stride, ..., each over the
+// 16-byte vectors [begin, end) of K, with `split` warps of one CTA on every pair.
+struct WarpShare {
+  int split, first_pair, pair_stride, begin, end;
+};
+
+template <int K>
+__device__ __forceinline__ WarpShare warp_share(int num_pairs) {
+  constexpr int kVecs = K / kVecElems;
+  const int warp = threadIdx.x / kWarpSize;
+  const int split = k_split<K>(num_pairs, gridDim.x * kWarps);
+  const int pairs_per_cta = kWarps / split, slice = warp % split, slice_vecs = kVecs / split;
+  return WarpShare{split, static_cast<int>(blockIdx.x) * pairs_per_cta + warp / split,
+                   static_cast<int>(gridDim.x) * pairs_per_cta, slice * slice_vecs, (slice + 1) * slice_vecs};
+}
+
+// kLoadsInFlight 16-byte loads per lane from each row of a pair, starting at vector `base`.
+struct WeightChunk {
+  uint4 r0[kLoadsInFlight], r1[kLoadsInFlight];
+};
+
+__device__ __forceinline__ void load_chunk(const RowPair& pair, int base, int end, int lane, WeightChunk& chunk) {
+#pragma unroll
+  for (int u = 0; u < kLoadsInFlight; ++u) {
+    const int v = base + u * kWarpSize + lane;
+    chunk.r0[u] = chunk.r1[u] = make_uint4(0, 0, 0, 0);
+    if (v < end) {
+      chunk.r0[u] = load_weights16(pair.w0 + v * kVecElems);
+      chunk.r1[u] = load_weights16(pair.w1 + v * kVecElems);
+    }
+  }
+}
+
+// The first chunk of this warp's first row pair in a GEMV, loaded before the grid barrier that
+// precedes it: weights never depend on activations, so their HBM latency runs under the barrier
+// wait and the staging of the input vector instead of after them.
+template <int K, class Rows>
+__device__ __forceinline__ WeightChunk prefetch_weights(int num_pairs, Rows rows) {
+  const WarpShare share = warp_share<K>(num_pairs);
+  WeightChunk chunk;
+  load_chunk(rows(min(share.first_pair, num_pairs - 1)), share.begin, share.end, threadIdx.x % kWarpSize, chunk);
+  return chunk;
+}
+
+// (w0 . x, w1 . x) over the 16-byte vectors [begin, end) of two weight rows and x (shared, bf16);
+// every lane gets both. With use_ahead, `ahead` holds the first chunk, already loaded.
+__device__ __forceinline__ float2 dot_rows2(const RowPair& pair, const bf16* x, int lane, int begin, int end,
+                                            const WeightChunk& ahead, bool use_ahead) {
+  constexpr int kStride = kWarpSize * kLoadsInFlight;
+  const uint4* x_vec = reinterpret_cast<const uint4*>(x);
+  float acc0 = 0.f, acc1 = 0.f;
+  for (int base = begin; base < end; base += kStride) {
+    WeightChunk chunk;
+    if (use_ahead && base == begin)
+      chunk = ahead;
+    else
+      load_chunk(pair, base, end, lane, chunk);
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int v = base + u * kWarpSize + lane;
+      if (v < end) {
+        const uint4 xv = x_vec[v];
+        acc0 = dot8(chunk.r0[u], xv, acc0);
+        acc1 = dot8(chunk.r1[u], xv, acc1);
+      }
+    }
+  }
+  return make_float2(warp_sum(acc0), warp_sum(acc1));
+}
+
 // Every warp of the grid takes pairs of rows in turn. rows(p) -> {w0, w1} gives pair p's two rows
-// (each K long); lane 0 of one warp then calls epilogue(p, dot0, dot1). When warps share a pair
-// (k_split), they are warps of one CTA and add their slices through split_sums (shared, [kWarps]).
+// (each K long); lane 0 of one warp then calls epilogue(p, dot0, dot1). `ahead` is this warp's
+// prefetch_weights for the same GEMV. When warps share a pair (k_split), they are warps of one CTA
+// and add their slices through split_sums (shared, [kWarps]).
 template <int K, class Rows, class Epilogue>
 __device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Rows rows, float2* split_sums,
-                                               Epilogue epilogue) {
+                                               const WeightChunk& ahead, Epilogue epilogue) {
   static_assert(K % kVecElems == 0, "row length must be a multiple of 8");
-  constexpr int kVecs = K / kVecElems;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int grid_warps = gridDim.x * kWarps;
-  const int split = k_split<K>(num_pairs, grid_warps);
-  if (split == 1) {
-    for (int p = blockIdx.x * kWarps + warp; p < num_pairs; p += grid_warps) {
-      const RowPair pair = rows(p);
-      const float2 d = dot_rows2(pair.w0, pair.w1, x, lane, 0, kVecs);
+  const WarpShare share = warp_share<K>(num_pairs);
+  if (share.split == 1) {
+    for (int p = share.first_pair; p < num_pairs; p += share.pair_stride) {
+      const float2 d = dot_rows2(rows(p), x, lane, share.begin, share.end, ahead, p == share.first_pair);
       if (lane == 0) epilogue(p, d.x, d.y);
     }
     return;
   }
-  const int pairs_per_cta = kWarps / split, slice = warp % split, slice_vecs = kVecs / split;
-  // The loop condition is the same for the whole CTA: its __syncthreads are reached by every thread.
-  for (int first = blockIdx.x * pairs_per_cta; first < num_pairs; first += gridDim.x * pairs_per_cta) {
-    const int p = first + warp / split;
+  const int lead = warp / share.split;  // this warp's pair among the CTA's pairs of a round
+  // p - lead is the CTA's first pair of the round: the loop condition is the same for the whole
+  // CTA, so its __syncthreads are reached by every thread.
+  for (int p = share.first_pair; p - lead < num_pairs; p += share.pair_stride) {
     if (p < num_pairs) {
-      const RowPair pair = rows(p);
-      const float2 d = dot_rows2(pair.w0, pair.w1, x, lane, slice * slice_vecs, (slice + 1) * slice_vecs);
+      const float2 d = dot_rows2(rows(p), x, lane, share.begin, share.end, ahead, p == share.first_pair);
       if (lane == 0) split_sums[warp] = d;
     }
     __syncthreads();
-    if (p < num_pairs && slice == 0 && lane == 0) {
+    if (p < num_pairs && warp % share.split == 0 && lane == 0) {
       float2 d = split_sums[warp];
-      for (int i = 1; i < split; ++i) d.x += split_sums[warp + i].x, d.y += split_sums[warp + i].y;
+      for (int i = 1; i < share.split; ++i) d.x += split_sums[warp + i].x, d.y += split_sums[warp + i].y;
       epilogue(p, d.x, d.y);
     }
     __syncthreads();  // split_sums is rewritten by the next round
