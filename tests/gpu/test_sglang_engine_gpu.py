@@ -13,17 +13,18 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import pytest_asyncio
 import torch
 
-from megaserve.replicas.models import load_model
-from megaserve.replicas.protocol import CoalescePolicy, FinishReason, GenerateRequest, SamplingParams
-from tests.model_factory import make_tiny_model
-
+# Checked before any other import: GPU machines without SGLang may lack the test extras too.
 if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
     pytest.skip("needs SGLang and a CUDA GPU", allow_module_level=True)
 
-from megaserve.replicas.engines.sglang_engine import SGLangEngine
+import pytest_asyncio  # noqa: E402
+
+from megaserve.replicas.engines.sglang_engine import SGLangEngine  # noqa: E402
+from megaserve.replicas.models import load_model  # noqa: E402
+from megaserve.replicas.protocol import CoalescePolicy, FinishReason, GenerateRequest, SamplingParams  # noqa: E402
+from tests.model_factory import make_tiny_model  # noqa: E402
 
 DEVICE = "cuda"
 # head_dim 64, GQA 4: a shape SGLang's kernels take. Float32 weights, run in float32 with SGLang's
