@@ -100,7 +100,9 @@ def _engine_settings(tier_name: Tier, tier: TierCommon, config: AppConfig, env: 
         sglang = config.throughput
         return {**common, "tp_size": sglang.tp_size, "max_seq": sglang.max_seq_len,
                 "max_batch": sglang.max_batch, "dtype": config.model.dtype,
-                "enable_metrics": sglang.sglang_metrics, "engine_args": dict(sglang.sglang_args)}
+                "enable_metrics": sglang.sglang_metrics,
+                "mem_fraction_static": sglang.sglang_mem_fraction_static,
+                "engine_args": dict(sglang.sglang_args)}
     local = {**common, "device": tier.device, "dtype": config.model.dtype, "max_seq": tier.max_seq_len}
     if engine == "megakernel":
         return {**local, "kernel_cache": str(env.kernel_cache)}

@@ -20,7 +20,7 @@ from megaserve.router.settings import (
 )
 
 DEMO_MODEL_NAME = "megaserve-demo"
-SGLANG_ONLY_FIELDS = {"sglang_metrics", "sglang_args"}  # throughput fields for engine sglang alone
+SGLANG_ONLY_FIELDS = {"sglang_metrics", "sglang_mem_fraction_static", "sglang_args"}  # throughput fields for engine sglang alone
 
 
 class _Strict(BaseModel):
@@ -137,12 +137,18 @@ class ThroughputTier(TierCommon):
         "enable_metrics), written to metrics.multiproc_dir and served on metrics.port beside "
         "megaserve's.",
     )
+    sglang_mem_fraction_static: float | None = Field(
+        None, gt=0, lt=1, description="engine sglang: the share of each GPU's memory SGLang takes for "
+        "the weights and its KV-cache pool (its mem_fraction_static); unset, SGLang sizes it from the "
+        "GPU and tp_size. Lower it when other processes share the GPUs.",
+    )
     sglang_args: dict[str, object] = Field(
         default_factory=dict, description="engine sglang: further `sglang.Engine` keyword "
         "arguments (SGLang ServerArgs fields, e.g. mem_fraction_static, chunked_prefill_size, "
         "enable_deterministic_inference for seeded sampling). The ones megaserve sets are refused "
         "here: model_path (model.path), tp_size, context_length (max_seq_len), dtype (model.dtype), "
-        "max_running_requests (max_batch), enable_metrics (sglang_metrics), skip_tokenizer_init.",
+        "max_running_requests (max_batch), enable_metrics (sglang_metrics), mem_fraction_static "
+        "(sglang_mem_fraction_static), skip_tokenizer_init.",
     )
 
     @model_validator(mode="after")

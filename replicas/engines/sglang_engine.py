@@ -73,7 +73,7 @@ INSTALL_HINT = "pip install 'megaserve[sglang]'"
 SGLANG_DEFAULTS: dict[str, Any] = {"enable_priority_scheduling": True}
 OWNED_ARGS = (
     "model_path", "tp_size", "context_length", "dtype", "max_running_requests", "enable_metrics",
-    "skip_tokenizer_init",
+    "mem_fraction_static", "skip_tokenizer_init",
 )
 INCREMENTAL_ARG = "incremental_streaming_output"
 TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k"
@@ -118,6 +118,7 @@ def engine_launch_args(
     dtype: str = "auto",
     max_running_requests: int | None = None,
     enable_metrics: bool = True,
+    mem_fraction_static: float | None = None,
     engine_args: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of `sglang.Engine`: our defaults, then the caller's `engine_args`, then the
@@ -131,7 +132,7 @@ def engine_launch_args(
     settings = {
         "model_path": str(model_dir), "tp_size": tp_size, "context_length": context_length,
         "dtype": dtype, "max_running_requests": max_running_requests, "enable_metrics": enable_metrics,
-        "skip_tokenizer_init": True,
+        "mem_fraction_static": mem_fraction_static, "skip_tokenizer_init": True,
     }
     return {**SGLANG_DEFAULTS, **engine_args, **{k: v for k, v in settings.items() if v is not None}}
 
@@ -191,6 +192,7 @@ class SGLangEngine(Engine):
         max_batch: int | None = None,
         dtype: str = "auto",
         enable_metrics: bool = True,
+        mem_fraction_static: float | None = None,
         engine_args: Mapping[str, Any] | None = None,
         coalesce: CoalescePolicy = CoalescePolicy(),
         tier: Tier | str = Tier.THROUGHPUT,
@@ -199,7 +201,8 @@ class SGLangEngine(Engine):
         launch: Callable[..., Any] | None = None,
     ) -> None:
         """`max_seq` (capped by the model) becomes SGLang's context_length, `max_batch` its
-        max_running_requests; `engine_args` are further `ServerArgs` fields. `launch` starts
+        max_running_requests, `mem_fraction_static` (None: SGLang's own sizing) the share of each GPU's
+        memory SGLang takes for weights and its KV pool; `engine_args` are further `ServerArgs` fields. `launch` starts
         SGLang from the launch arguments: `sglang.Engine` unless given (tests pass a stand-in)."""
         launch = launch or _sglang_engine_class()
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -210,7 +213,8 @@ class SGLangEngine(Engine):
         self.metrics = EngineMetrics(Tier(tier).value, self.model_name)
         self.launch_args = engine_launch_args(
             model_dir, tp_size=tp_size, context_length=self.max_context, dtype=dtype,
-            max_running_requests=max_batch, enable_metrics=enable_metrics, engine_args=engine_args,
+            max_running_requests=max_batch, enable_metrics=enable_metrics,
+            mem_fraction_static=mem_fraction_static, engine_args=engine_args,
         )
         self._incremental = bool(self.launch_args.get(INCREMENTAL_ARG, False))
         self._runtime = launch(**self.launch_args)

@@ -26,7 +26,7 @@ ANY_FREE_PORT = 0
 SGLANG_TIER = {
     "device": "cuda", "engine": "sglang", "tp_size": 4, "accelerator_type": "H200", "cpus_per_replica": 8,
     "max_seq_len": 8192, "max_batch": 128, "max_ongoing_requests": 256,
-    "sglang_args": {"mem_fraction_static": 0.85, "chunked_prefill_size": 4096},
+    "sglang_mem_fraction_static": 0.85, "sglang_args": {"chunked_prefill_size": 4096},
 }
 
 
@@ -47,7 +47,7 @@ def test_the_replica_starts_sglang_with_the_tier_s_settings(tmp_path):
     assert settings == {
         "model_name": "megaserve-demo", "tier": "throughput", "coalesce_seconds": 0.005, "coalesce_tokens": 16,
         "tp_size": 4, "max_seq": 8192, "max_batch": 128, "dtype": "bfloat16", "enable_metrics": True,
-        "engine_args": {"mem_fraction_static": 0.85, "chunked_prefill_size": 4096},
+        "mem_fraction_static": 0.85, "engine_args": {"chunked_prefill_size": 4096},
     }
     assert _config(sglang_metrics=False).throughput.sglang_metrics is False
 
@@ -67,12 +67,16 @@ def test_the_replica_holds_its_tp_group_s_gpus_in_one_bundle_and_writes_to_the_m
 
 
 @pytest.mark.parametrize(("throughput", "message"), [
-    ({"engine": "torch", "sglang_args": {}}, "throughput.sglang_args: only used with engine: sglang"),
+    ({"engine": "torch", "sglang_args": {}, "sglang_mem_fraction_static": None},
+     "throughput.sglang_args, throughput.sglang_mem_fraction_static: only used with engine: sglang"),
     ({"engine": "torch", "sglang_metrics": False, "sglang_args": {}},
-     "throughput.sglang_args, throughput.sglang_metrics: only used with engine: sglang"),
+     "throughput.sglang_args, throughput.sglang_mem_fraction_static, throughput.sglang_metrics: only used"),
     ({"sglang_args": {"tp_size": 2, "context_length": 4096}},
      "sglang_args must not set \\['context_length', 'tp_size'\\]"),
     ({"sglang_args": {"skip_tokenizer_init": False}}, "must not set \\['skip_tokenizer_init'\\]"),
+    ({"sglang_args": {"mem_fraction_static": 0.5}}, "must not set \\['mem_fraction_static'\\]"),
+    ({"sglang_mem_fraction_static": 1.0}, "sglang_mem_fraction_static\n  Input should be less than 1"),
+    ({"sglang_mem_fraction_static": 0}, "sglang_mem_fraction_static\n  Input should be greater than 0"),
     ({"device": "cpu", "tp_size": 1, "accelerator_type": None}, "engine sglang needs throughput.device: cuda"),
     ({"nodes_per_replica": 2, "tp_size": 8}, "not supported by engine sglang"),
 ])
@@ -105,4 +109,5 @@ def test_the_readme_s_sglang_example_is_a_valid_throughput_tier():
     example = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1))
     throughput = AppConfig.model_validate({"latency": {"enabled": False}, **example}).throughput
     assert throughput.engine == "sglang" and throughput.tp_size == 4
-    assert throughput.sglang_args == {"mem_fraction_static": 0.85}
+    assert throughput.sglang_mem_fraction_static == 0.85
+    assert throughput.sglang_args == {"chunked_prefill_size": 4096}

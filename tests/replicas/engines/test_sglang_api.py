@@ -36,7 +36,7 @@ TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
 SAMPLING = "sglang.srt.sampling.sampling_params"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
 # ServerArgs fields the docs tell operators to put in throughput.sglang_args.
-DOCUMENTED_ARGS = ("mem_fraction_static", "enable_deterministic_inference", "chunked_prefill_size",
+DOCUMENTED_ARGS = ("enable_deterministic_inference", "chunked_prefill_size",
                    "enable_priority_scheduling")
 # The annotation type names that accept a value of each Python type.
 ACCEPTING = {bool: {"bool"}, int: {"int", "float"}, float: {"float"}, str: {"str"},
@@ -50,7 +50,8 @@ def sglang() -> SGLangSource:
 
 def _every_launch_arg() -> dict[str, object]:
     return engine_launch_args("/models/m", tp_size=4, context_length=8192, dtype="bfloat16",
-                              max_running_requests=64, enable_metrics=True, engine_args={INCREMENTAL_ARG: True})
+                              max_running_requests=64, enable_metrics=True, mem_fraction_static=0.85,
+                              engine_args={INCREMENTAL_ARG: True})
 
 
 def _every_sampling_param() -> dict[str, object]:

@@ -49,10 +49,11 @@ def test_defaults_disable_top_k_and_leave_out_unset_fields():
 
 def test_launch_args_layer_defaults_caller_and_owned_settings():
     args = engine_launch_args("/models/m", tp_size=4, context_length=8192, dtype="bfloat16",
-                              max_running_requests=128,
-                              engine_args={"enable_priority_scheduling": False, "mem_fraction_static": 0.85})
+                              max_running_requests=128, mem_fraction_static=0.85,
+                              engine_args={"enable_priority_scheduling": False, "chunked_prefill_size": 4096})
     assert args == {
-        "enable_priority_scheduling": False, "mem_fraction_static": 0.85, "model_path": "/models/m",
+        "enable_priority_scheduling": False, "chunked_prefill_size": 4096, "mem_fraction_static": 0.85,
+        "model_path": "/models/m",
         "tp_size": 4, "context_length": 8192, "dtype": "bfloat16", "max_running_requests": 128,
         "enable_metrics": True, "skip_tokenizer_init": True,
     }
@@ -169,8 +170,7 @@ def _sample(name: str, labels: dict[str, str]) -> float:
 
 
 async def test_the_engine_starts_sglang_with_the_tier_s_settings(make_sglang, tiny_model_dir):
-    engine, sglang = make_sglang(tp_size=2, max_seq=256, max_batch=4, dtype="float32",
-                                 engine_args={"mem_fraction_static": 0.5})
+    engine, sglang = make_sglang(tp_size=2, max_seq=256, max_batch=4, dtype="float32", mem_fraction_static=0.5)
     assert sglang.launch_args == {
         "enable_priority_scheduling": True, "mem_fraction_static": 0.5, "model_path": str(tiny_model_dir),
         "tp_size": 2, "context_length": 256, "dtype": "float32", "max_running_requests": 4,
