@@ -22,8 +22,8 @@ if importlib.util.find_spec("sglang") is None or not torch.cuda.is_available():
 import pytest_asyncio  # noqa: E402
 
 from megaserve.replicas.engines.sglang_engine import SGLangEngine  # noqa: E402
-from megaserve.replicas.models import load_model  # noqa: E402
 from megaserve.replicas.protocol import CoalescePolicy, FinishReason, GenerateRequest, SamplingParams  # noqa: E402
+from tests.gpu.reference import reference_greedy  # noqa: E402
 from tests.model_factory import make_tiny_model  # noqa: E402
 
 DEVICE = "cuda"
@@ -54,18 +54,6 @@ async def engine(model_dir):
     await engine.shutdown()
 
 
-def _reference_greedy(model_dir, prompt, count) -> list[int]:
-    model = load_model(model_dir, DEVICE, torch.float32)
-    tokens = list(prompt)
-    for _ in range(count):
-        cache = model.new_cache(1, len(tokens))
-        ids = torch.tensor([tokens], device=DEVICE)
-        positions = torch.arange(len(tokens), device=DEVICE)[None]
-        logits = model.forward(ids, positions, cache, torch.tensor([0], device=DEVICE), last_only=True)
-        tokens.append(int(logits[0].argmax()))
-    return tokens[len(prompt):]
-
-
 def _request(name: str, max_tokens: int) -> GenerateRequest:
     return GenerateRequest(name, PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
@@ -74,7 +62,7 @@ async def test_greedy_tokens_match_the_reference_and_follow_the_yield_rule(engin
     items = [item async for item in engine.generate(_request("greedy", GENERATED))]
     assert len(items[0].token_ids) == 1
     assert all(len(item.token_ids) <= 4 for item in items)
-    assert [t for item in items for t in item.token_ids] == _reference_greedy(model_dir, PROMPT, GENERATED)
+    assert [t for item in items for t in item.token_ids] == reference_greedy(model_dir, PROMPT, GENERATED)
     assert items[-1].finish_reason == FinishReason.LENGTH and items[-1].prompt_tokens == len(PROMPT)
 
 

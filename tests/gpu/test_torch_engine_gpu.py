@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megaserve.replicas.engines.torch_engine import TorchEngine
-from megaserve.replicas.models import load_model
 from megaserve.replicas.protocol import GenerateRequest, SamplingParams
 from megaserve.replicas.sampling import SamplingRows, sample
+from tests.gpu.reference import reference_greedy
 from tests.model_factory import make_tiny_model
 
 if not torch.cuda.is_available():
@@ -30,18 +30,6 @@ def fp32_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-fp32"), "llama", seed=11)
 
 
-def _reference_greedy(model_dir, prompt, count) -> list[int]:
-    model = load_model(model_dir, DEVICE, torch.float32)
-    tokens = list(prompt)
-    for _ in range(count):
-        cache = model.new_cache(1, len(tokens))
-        ids = torch.tensor([tokens], device=DEVICE)
-        positions = torch.arange(len(tokens), device=DEVICE)[None]
-        logits = model.forward(ids, positions, cache, torch.tensor([0], device=DEVICE), last_only=True)
-        tokens.append(int(logits[0].argmax()))
-    return tokens[len(prompt):]
-
-
 def _request(prompt, name, **sampling) -> GenerateRequest:
     sampling.setdefault("temperature", 0.0)
     return GenerateRequest(name, prompt, SamplingParams(max_tokens=GENERATED, ignore_eos=True, **sampling))
@@ -54,7 +42,7 @@ async def _tokens(engine, request) -> list[int]:
 def test_cuda_engine_batches_and_matches_the_reference(fp32_model_dir):
     together, seeded_alone, seeded_batched = asyncio.run(_batched_and_seeded(fp32_model_dir))
     for prompt, tokens in zip(PROMPTS, together):
-        assert tokens == _reference_greedy(fp32_model_dir, prompt, GENERATED)
+        assert tokens == reference_greedy(fp32_model_dir, prompt, GENERATED)
     assert seeded_alone == seeded_batched
 
 
