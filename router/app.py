@@ -37,7 +37,7 @@ from megaserve.router.openai_schema import (
     ModelCard,
     ModelList,
 )
-from megaserve.router.policy import TIER_HEADER, Admission, choose_tier
+from megaserve.router.policy import TIER_HEADER, Admission, Lease, choose_tier
 from megaserve.router.responses import ResponseBuilder, served_tier
 from megaserve.router.settings import RouterSettings
 from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
@@ -222,7 +222,7 @@ class _Router:
         sampling = self._sampling(body, len(prompt_ids))
         route = choose_tier(self.settings, body.service_tier, request.headers.get(TIER_HEADER), len(prompt_ids), n)
         try:
-            lease = await unless_disconnected(request.receive, self.admission.admit(route, n))
+            lease = await unless_disconnected(request.receive, self.admission.admit(route, n), discard=Lease.release)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

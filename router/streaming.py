@@ -31,27 +31,35 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+async def unless_disconnected(receive: Receive, work: Awaitable[T],
+                              discard: Callable[[T], object] | None = None) -> T:
     """The result of `work`, or ClientDisconnected after cancelling `work` if the client leaves.
 
     `work` has ended whenever this returns or raises, also when the caller itself is cancelled
     (Ray Serve cancels a request's task when its client leaves): the caller may then close the
-    generators `work` was running.
+    generators `work` was running. If this raises although `work` produced a result (it finished in
+    the same event-loop step as the disconnect or the cancellation, or finished anyway once
+    cancelled), `discard(result)` gets it: e.g. an admission lease that nobody else would release.
     """
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientDisconnected
+        return task.result()
+    except BaseException:
+        if discard is not None and task.done() and not task.cancelled() and task.exception() is None:
+            discard(task.result())
+        raise
     finally:
         watcher.cancel()
-        abandoned = not task.done()
-        if abandoned:
+        if not task.done():
             task.cancel()
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(task, return_exceptions=True)  # let it close its streams
-    if abandoned:
-        raise ClientDisconnected
-    return task.result()
+            if discard is not None and not task.cancelled() and task.exception() is None:
+                discard(task.result())  # it finished instead of stopping: nobody will use the result
 
 
 class EventStreamResponse(Response):

@@ -1,0 +1,82 @@
+"""unless_disconnected: the work's result, or its cancellation when the client leaves, and never a
+result lost in between (a lease that nobody would release would hold a tier's slot for good)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from megaserve.replicas.protocol import Tier
+from megaserve.router.policy import Lease, Route, TierSlots
+from megaserve.router.streaming import ClientDisconnected, unless_disconnected
+
+DISCONNECT = {"type": "http.disconnect"}
+
+
+def _client(leaves: asyncio.Event):
+    """An ASGI receive channel whose only message is the disconnect, once `leaves` is set."""
+
+    async def receive():
+        await leaves.wait()
+        return DISCONNECT
+
+    return receive
+
+
+def _granted_lease(slots: TierSlots) -> Lease:
+    assert slots.take_now(1)
+    return Lease(slots, 1, Route(Tier.LATENCY, "policy"))
+
+
+async def test_the_result_comes_back_and_is_not_discarded():
+    discarded = []
+    result = await unless_disconnected(_client(asyncio.Event()), asyncio.sleep(0, "lease"), discarded.append)
+    assert result == "lease" and discarded == []
+
+
+async def test_a_client_leaving_cancels_the_work():
+    leaves, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def work():
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    waiting = asyncio.create_task(unless_disconnected(_client(leaves), work()))
+    await asyncio.sleep(0)
+    leaves.set()
+    with pytest.raises(ClientDisconnected):
+        await waiting
+    assert cancelled.is_set()
+
+
+async def test_a_lease_granted_in_the_step_the_caller_is_cancelled_is_released():
+    slots = TierSlots(capacity=1)
+    admission = asyncio.get_running_loop().create_future()  # stands for Admission.admit's task
+    caller = asyncio.create_task(unless_disconnected(_client(asyncio.Event()), admission, Lease.release))
+    await asyncio.sleep(0)  # the caller waits on the admission
+    admission.set_result(_granted_lease(slots))  # granted ...
+    caller.cancel()  # ... and, in the same step, Serve cancels the request's task
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert slots.in_flight == 0  # without discard the slot would stay taken
+
+
+async def test_work_that_finishes_instead_of_stopping_has_its_result_discarded():
+    slots, leaves = TierSlots(capacity=1), asyncio.Event()
+
+    async def admit_ignoring_cancellation() -> Lease:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass  # e.g. a grant that raced the cancellation: the work returns its lease anyway
+        return _granted_lease(slots)
+
+    waiting = asyncio.create_task(unless_disconnected(_client(leaves), admit_ignoring_cancellation(), Lease.release))
+    await asyncio.sleep(0)
+    leaves.set()
+    with pytest.raises(ClientDisconnected):
+        await waiting
+    assert slots.in_flight == 0
