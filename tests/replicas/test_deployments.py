@@ -23,4 +23,4 @@ async def test_closing_the_replica_stream_cancels_the_engine_stream_at_once(tmp_
         await stream.aclose()  # what Ray does when the client goes away
         assert running.stream.cancelled  # before any later loop turn could finalize the engine's stream
     finally:
-        await replica.engine.shutdown()
+        await replica.__del__()  # Serve's teardown hook: shuts the engine down, once
