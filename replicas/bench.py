@@ -11,7 +11,8 @@ each context length, one run measures:
 and reports ms/step, tokens/s, kernel launches per step (counted with torch.profiler) and the
 fraction of the HBM roofline: (weight bytes + KV bytes read per step) / step time, over the read
 bandwidth measured in the same run with a large reduction. The megakernel's per-stage breakdown
-comes from its in-kernel timestamps (a second build with timing on; its cost is reported too).
+comes from its in-kernel timestamps (a second build with timing on; its cost is reported too),
+each stage beside the bytes it must read and the fraction of the measured bandwidth it reached.
 
 Runs on a bare GPU image: imports only torch, cuda-python and this package's kernels/ and models/.
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from megaserve.kernels.build import KernelCache
-from megaserve.kernels.launcher import DecodeStep
+from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.replicas.models import Model, ModelConfig
 from megaserve.replicas.models.decoder import expected_shapes
@@ -85,8 +86,26 @@ class Result:
     launches_per_step: int = 0
     roofline_fraction: float = float("nan")
     stage_ms: dict[str, float] = field(default_factory=dict)
+    stage_bytes: dict[str, int] = field(default_factory=dict)  # what each stage must read per step
     timing_cost_ms: float | None = None
     error: str | None = None  # set (and the figures NaN) when this method failed to run
+
+
+def stage_read_bytes(config: ModelConfig, context_len: int) -> dict[str, int]:
+    """Bytes each megakernel stage must read per step, summed over layers, with `context_len` cached
+    positions (the new one included): its weights, or the K and V rows for attention. Norm weights
+    and activations are a few KB and left out."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_dim, kv_dim = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    per_layer = {
+        "qkv": (q_dim + 2 * kv_dim) * hidden,
+        "attention": 2 * kv_dim * context_len,
+        "o_proj": hidden * q_dim,
+        "gate_up": 2 * config.intermediate_size * hidden,
+        "down": hidden * config.intermediate_size,
+    }
+    stages = {name: per_layer[name] * config.num_layers * BF16_BYTES for name in STAGES_PER_LAYER}
+    return stages | {FINAL_STAGE: config.vocab_size * hidden * BF16_BYTES}
 
 
 def random_model(config: ModelConfig, device: torch.device) -> Model:
@@ -192,7 +211,9 @@ def bench_context(
 
     if "megakernel" in methods:
         seconds, launches, stage_ms, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
-        yield "megakernel", (seconds, launches, {"stage_ms": stage_ms, "timing_cost_ms": timing_cost_ms})
+        extra = {"stage_ms": stage_ms, "stage_bytes": stage_read_bytes(model.config, context + 1),
+                 "timing_cost_ms": timing_cost_ms}
+        yield "megakernel", (seconds, launches, extra)
     baselines = {
         "eager": lambda: (time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager), {}),
         "cuda-graph": lambda: graphed(lambda: bound(ids, positions)),
@@ -237,11 +258,16 @@ def format_table(results: list[Result], bandwidth: float) -> str:
                      f"{r.launches_per_step:>8} {100 * r.roofline_fraction:>7.1f}%")
     for r in results:
         if r.stage_ms:
-            stages = ", ".join(f"{k} {v:.3f}" for k, v in r.stage_ms.items())
-            lines.append(
-                f"stages {r.model} ctx={r.context} (ms): {stages}; timing costs {r.timing_cost_ms:+.3f} ms/step"
-            )
+            lines.append(f"stages {r.model} ctx={r.context}, ms (MB to read, % of the measured bandwidth); "
+                         f"timing costs {r.timing_cost_ms:+.3f} ms/step:")
+            lines.append("  " + ", ".join(_stage_cell(name, ms, r.stage_bytes[name], bandwidth)
+                                          for name, ms in r.stage_ms.items()))
     return "\n".join(lines)
+
+
+def _stage_cell(name: str, ms: float, read_bytes: int, bandwidth: float) -> str:
+    reached = f"{100 * read_bytes / (ms * 1e-3) / bandwidth:.0f}%" if ms > 0 else "n/a"
+    return f"{name} {ms:.3f} ({read_bytes / 1e6:,.1f}, {reached})"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
