@@ -201,9 +201,10 @@ class SGLangEngine(Engine):
         launch: Callable[..., Any] | None = None,
     ) -> None:
         """`max_seq` (capped by the model) becomes SGLang's context_length, `max_batch` its
-        max_running_requests, `mem_fraction_static` (None: SGLang's own sizing) the share of each GPU's
-        memory SGLang takes for weights and its KV pool; `engine_args` are further `ServerArgs` fields. `launch` starts
-        SGLang from the launch arguments: `sglang.Engine` unless given (tests pass a stand-in)."""
+        max_running_requests, `mem_fraction_static` (None: SGLang's own sizing) the share of each
+        GPU's memory SGLang takes for weights and its KV pool; `engine_args` are further `ServerArgs`
+        fields. `launch` starts SGLang from the launch arguments: `sglang.Engine` unless given
+        (tests pass a stand-in)."""
         launch = launch or _sglang_engine_class()
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.vocab_size, self.max_context = model_limits(hf_config, max_seq)
