@@ -39,12 +39,16 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     from megaserve.replicas.protocol import GenerateRequest, SamplingParams
     from megaserve.router.tokenizer import IncrementalDetokenizer, Tokenizer
 
-    tokenizer = Tokenizer.from_dir(args.model)
-    prompt_ids = _prompt_ids(tokenizer, args)
     settings = {"device": args.device or _default_device(), "max_batch": 1}
     if args.engine == "megakernel":
         settings = {"device": "cuda", "kernel_cache": str(env.kernel_cache)}
-    engine = create_engine(args.engine, model_dir=args.model, **settings)
+    try:
+        tokenizer = Tokenizer.from_dir(args.model)
+        prompt_ids = _prompt_ids(tokenizer, args)
+        engine = create_engine(args.engine, model_dir=args.model, **settings)
+    except (OSError, ValueError, RuntimeError) as error:  # no model there, a shape or device it cannot run
+        print(f"megaserve generate: cannot run the {args.engine} engine on {args.model}: {error}", file=sys.stderr)
+        return 2
     request = GenerateRequest(
         request_id="cli",
         prompt_token_ids=tuple(prompt_ids),

@@ -56,8 +56,10 @@ class MegakernelEngine(StepThreadEngine):
         model_name: str | None = None,
     ) -> None:
         device = torch.device(device)
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError(f"MegakernelEngine needs a CUDA device, got {str(device)!r}")
+        if device.type != "cuda":
+            raise ValueError(f"MegakernelEngine runs on a CUDA device, got {str(device)!r}")
+        if not torch.cuda.is_available():
+            raise ValueError("MegakernelEngine needs a CUDA GPU, and this torch sees none")
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         if dtype not in KERNEL_DTYPES:
             raise ValueError(f"MegakernelEngine runs bf16 weights; dtype {dtype!r} is not supported")

@@ -45,6 +45,25 @@ def test_in_process_seeded_sampling_is_reproducible(demo_dir):
     assert _generate(*args)["token_ids"] == _generate(*args)["token_ids"]
 
 
+def _generate_fails(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "megaserve.deploy.cli", "generate", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+def test_a_missing_model_is_a_one_line_error(tmp_path):
+    error = _generate_fails("hi", "--model", str(tmp_path / "nothing-here"))
+    assert f"cannot run the torch engine on {tmp_path / 'nothing-here'}: no tokenizer.json" in error
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the megakernel runs")
+def test_the_megakernel_without_a_gpu_is_a_one_line_error(demo_dir):
+    error = _generate_fails("hi", "--model", demo_dir, "--engine", "megakernel")
+    assert "cannot run the megakernel engine" in error and "needs a CUDA GPU" in error
+
+
 @pytest.mark.integration
 def test_against_the_server_reports_the_tier(live_stack):
     result = _generate("hi", "--url", live_stack.base_url, "--tier", "latency", "--max-tokens", "5",
