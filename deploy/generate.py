@@ -92,6 +92,16 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
 
 
 def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> int:
+    try:
+        return _stream_from_server(args, url)
+    except urllib.error.HTTPError as error:
+        print(f"megaserve generate: {url} answered {error.code}: {error.read().decode()}", file=sys.stderr)
+    except urllib.error.URLError as error:
+        print(f"megaserve generate: cannot reach {url}: {error.reason}", file=sys.stderr)
+    return 2
+
+
+def _stream_from_server(args: argparse.Namespace, url: str) -> int:
     body: dict = {
         "model": _served_model(url, args.api_key),
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -114,25 +124,21 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
     started = time.perf_counter()
     arrivals: list[float] = []
     usage = timing = None
-    try:
-        with urllib.request.urlopen(request) as response:
-            tier = response.headers.get("x-megaserve-tier", "?")
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith(SSE_DATA) or line == SSE_DATA + "[DONE]":
-                    continue
-                chunk = json.loads(line[len(SSE_DATA):])
-                usage = chunk.get("usage") or usage
-                timing = chunk.get("timing") or timing  # the router's extension, with usage
-                for choice in chunk.get("choices", []):
-                    piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                    if piece:
-                        arrivals.append(time.perf_counter())
-                        if not args.json:
-                            print(piece, end="", flush=True)
-    except urllib.error.HTTPError as error:
-        print(f"error {error.code}: {error.read().decode()}", file=sys.stderr)
-        return 1
+    with urllib.request.urlopen(request) as response:
+        tier = response.headers.get("x-megaserve-tier", "?")
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith(SSE_DATA) or line == SSE_DATA + "[DONE]":
+                continue
+            chunk = json.loads(line[len(SSE_DATA):])
+            usage = chunk.get("usage") or usage
+            timing = chunk.get("timing") or timing  # the router's extension, with usage
+            for choice in chunk.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                if piece:
+                    arrivals.append(time.perf_counter())
+                    if not args.json:
+                        print(piece, end="", flush=True)
     total = time.perf_counter() - started
     tokens = (usage or {}).get("completion_tokens", len(arrivals))
     ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")

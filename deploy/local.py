@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import sys
 import threading
 import time
 from importlib import resources
@@ -32,8 +33,12 @@ def load_serve_config(path: str | None) -> dict[str, Any]:
     else:
         text = Path(path).read_text()
     config = yaml.safe_load(text)
-    if not isinstance(config, dict) or not config.get("applications"):
-        raise ValueError(f"{path or 'local.yaml'}: a Serve config needs an `applications` list")
+    name = path or "local.yaml"
+    if not isinstance(config, dict) or not isinstance(config.get("applications"), list) or not config["applications"]:
+        raise ValueError(f"{name}: a Serve config needs an `applications` list")
+    for app in config["applications"]:
+        if not isinstance(app, dict) or not isinstance(app.get("import_path"), str):
+            raise ValueError(f"{name}: every application needs an `import_path` (module:builder)")
     return config
 
 
@@ -67,12 +72,16 @@ def _deployment_progress(status) -> str:
 def serve_until_interrupted(config_path: str | None, host: str | None, port: int | None,
                             timeout: float, env: Environment) -> int:
     started = time.monotonic()
-    config = load_serve_config(config_path)
+    try:  # a bad config is reported before Ray starts, in one message
+        config = load_serve_config(config_path)
+        applications = config["applications"]
+        app_configs = [AppConfig.model_validate(app.get("args") or {}) for app in applications]
+    except (OSError, ValueError, yaml.YAMLError) as error:  # pydantic's ValidationError is a ValueError
+        print(f"megaserve up: {error}", file=sys.stderr)
+        return 2
     http = dict(config.get("http_options") or {})
     http["host"] = host or http.get("host", "127.0.0.1")
     http["port"] = port or http.get("port", 8000)
-    applications = config["applications"]
-    app_configs = [AppConfig.model_validate(app.get("args") or {}) for app in applications]
     _prepare_node(app_configs, env)
 
     os.environ.setdefault("RAY_AUTH_MODE", "token")

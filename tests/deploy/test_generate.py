@@ -58,6 +58,11 @@ def test_a_missing_model_is_a_one_line_error(tmp_path):
     assert f"cannot run the torch engine on {tmp_path / 'nothing-here'}: no tokenizer.json" in error
 
 
+def test_an_unreachable_server_is_a_one_line_error():
+    error = _generate_fails("hi", "--url", "http://127.0.0.1:1")
+    assert "cannot reach http://127.0.0.1:1" in error
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the megakernel runs")
 def test_the_megakernel_without_a_gpu_is_a_one_line_error(demo_dir):
     error = _generate_fails("hi", "--model", demo_dir, "--engine", "megakernel")
