@@ -9,8 +9,10 @@ own hash, so that a truncated or corrupt entry is detected and rebuilt rather th
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,8 @@ MAIN_SOURCE = "decode_step.cu"
 SOURCE_SUFFIXES = (".cu", ".cuh")
 CXX_STANDARD = "c++17"
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
+PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 class KernelBuildError(RuntimeError):
@@ -78,13 +82,40 @@ def source_files() -> dict[str, str]:
     }
 
 
-def _options(arch: str) -> ProgramOptions:
+@dataclass(frozen=True)
+class ResourceUsage:
+    """What ptxas reports for one kernel: registers per thread, stack frame and spills (bytes)."""
+
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+def resource_usage(shape: KernelShape, arch: str, timing: bool = False) -> ResourceUsage:
+    """ptxas's resource report for decode_step of `shape` on `arch` (a compile of its own, with
+    `-v`, not cached): spills or a register count at the launch bound show up here first."""
+    program = Program(source_files()[MAIN_SOURCE], code_type="c++", options=_options(arch, ptxas_verbose=True))
+    log = io.StringIO()
+    try:
+        program.compile("cubin", name_expressions=(shape.kernel_name(timing),), logs=log)
+    finally:
+        program.close()
+    registers, frame = PTXAS_REGISTERS.search(log.getvalue()), PTXAS_FRAME.search(log.getvalue())
+    if registers is None or frame is None:
+        raise KernelBuildError(f"ptxas printed no resource usage for {shape.kernel_name(timing)}:\n{log.getvalue()}")
+    stack, stores, loads = (int(group) for group in frame.groups())
+    return ResourceUsage(int(registers.group(1)), stack, stores, loads)
+
+
+def _options(arch: str, ptxas_verbose: bool = False) -> ProgramOptions:
     libraries = ("cudart", "cccl")
     include_dirs = [cuda.pathfinder.find_nvidia_header_directory(lib) for lib in libraries]
     missing = [lib for lib, path in zip(libraries, include_dirs, strict=True) if path is None]
     if missing:
         raise KernelBuildError(f"CUDA headers not found for {missing}: install cuda-toolkit[cudart,cccl]")
-    return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(SOURCE_DIR), *include_dirs])
+    return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(SOURCE_DIR), *include_dirs],
+                          ptxas_options=["-v"] if ptxas_verbose else None)
 
 
 def cache_key(sources: dict[str, str], arch: str, name_expression: str) -> str:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from megaserve.kernels.build import KernelCache, cache_key, source_files, supported_archs
+from megaserve.kernels.build import KernelCache, cache_key, resource_usage, source_files, supported_archs
+from megaserve.kernels.shape import THREADS
 from megaserve.kernels.shape import KernelShape
 from megaserve.replicas.bench import BENCH_CONFIGS
 from megaserve.replicas.models import ModelConfig
@@ -16,6 +17,7 @@ HOPPER = "sm_90a"
 BLACKWELL = ("sm_100a", "sm_103a")
 TINY = KernelShape(hidden=256, heads=8, kv_heads=1, head_dim=128, intermediate=768, vocab=512, layers=2, qk_norm=True)
 CUBIN_MAGIC = b"\x7fELF"
+REGISTERS_PER_SM = 65536  # Hopper and Blackwell
 
 
 def bench_shapes() -> dict[str, KernelShape]:
@@ -32,6 +34,15 @@ def test_bench_shapes_compile_for_hopper(shared_cache, name):
     compiled = shared_cache.decode_step(bench_shapes()[name], HOPPER)
     assert compiled.cubin.startswith(CUBIN_MAGIC)
     assert compiled.symbol.startswith("_ZN10megakernel11decode_step")
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_CONFIGS))
+def test_bench_shapes_do_not_spill(name):
+    """Local-memory spills in the persistent kernel cost an L1 round trip each in the hottest loops;
+    the launch bound (one CTA of THREADS per SM) caps registers at the SM's file / THREADS."""
+    usage = resource_usage(bench_shapes()[name], HOPPER)
+    assert usage.spill_store_bytes == usage.spill_load_bytes == 0
+    assert 0 < usage.registers <= REGISTERS_PER_SM // THREADS
 
 
 @pytest.mark.parametrize("arch", BLACKWELL)
