@@ -201,12 +201,14 @@ class MegakernelEngine(StepThreadEngine):
             reason = FinishReason.LENGTH
         if reason is not None:
             outbox.finish(item.stream, reason)
+            self._release()  # before the client can see the end: a new request finds the engine free
         outbox.flush()
         return reason is not None
 
     def _release(self) -> None:
-        self._running = None
-        self.metrics.request_ended()
+        if self._running is not None:
+            self._running = None
+            self.metrics.request_ended()
 
     def _abort_all(self) -> None:
         """End every stream, running or waiting, with ABORT (shutdown or a failed step)."""
