@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int token = __ldcg(state + kStateToken);
   const int pos = __ldcg(state + kStatePos);
   const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
-  unsigned* barrier = counters + kCounterBarrier;
+  GridBarrier barrier = GridBarrier::open(counters + kCounterBarrier);
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
   WeightChunk ahead = prefetch_weights<S::hidden>(kQkvPairs, QkvRows<S>{layers[0]});
@@ -156,12 +156,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
       reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
     });
-    grid_barrier(barrier);
+    barrier.sync();
     timer.mark();
 
     attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, rope_inv_freq, pos, max_seq,
                        rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention);
-    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
+    barrier.sync([&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
     timer.mark();
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float2 res = __bfloat1622float2(__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p));
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
+    barrier.sync([&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
     timer.mark();
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
     });
-    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
+    barrier.sync([&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
     timer.mark();
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float2 res = __bfloat1622float2(__ldcg(h));
       *h = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    grid_barrier(barrier, [&] {
+    barrier.sync([&] {
       if (l + 1 < S::layers)
         ahead = prefetch_weights<S::hidden>(kQkvPairs, QkvRows<S>{layers[l + 1]});
       else
