@@ -68,9 +68,9 @@ template <class S>
 struct AttentionShared {
   static constexpr int kMergeSlots = kWarps / 2;
   float q[S::group][S::head_dim];  // the group's query heads, normed and rotated (bf16-exact values)
-  float merge_max[kMergeSlots][S::group];
-  float merge_sum[kMergeSlots][S::group];
-  float merge_acc[kMergeSlots][S::group][S::head_dim];
+  float warp_max[kWarps][S::group];  // every warp's online-softmax state, for the CTA merge
+  float warp_sum[kWarps][S::group];
+  float merge_acc[kMergeSlots][S::group][S::head_dim];  // scaled accumulators, two warps per slot
   float split_weight[S::group][kMaxSplits];  // exp2(max_s - max) of each split, for the combine
   float inv_total[S::group];
   int is_last_split;
@@ -157,17 +157,6 @@ struct SoftmaxState {
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) acc[h][j] = 0.f;
     }
-  }
-
-  // Fold another state (max m, sum l, acc slice a) of head h into this one.
-  __device__ __forceinline__ void merge(int h, float m, float l, const float* a) {
-    if (m == kNegInf) return;
-    const float new_max = fmaxf(max[h], m);
-    const float mine = exp2f(max[h] - new_max), theirs = exp2f(m - new_max);
-    sum[h] = sum[h] * mine + l * theirs;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) acc[h][j] = acc[h][j] * mine + a[j] * theirs;
-    max[h] = new_max;
   }
 };
 
@@ -303,33 +292,53 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 #pragma unroll
     for (int h = 0; h < G; ++h) state.sum[h] = __shfl_sync(kFullMask, slot_sum, h * kLanesPerHead);
 
-    // Merge the warps' states pairwise in shared memory; warp 0 ends with the CTA's.
-    for (int active = kWarps / 2; active >= 1; active /= 2) {
-      if (warp >= active && warp < 2 * active) {
-        const int slot = warp - active;
+    // Merge the warps' states in three steps: every warp's max and sum out; each warp scales its
+    // accumulator to the CTA's max and adds it into a slot (warps w and w + kMergeSlots share
+    // one); all threads add the slots up and write the split's partial.
+    if (lane == 0) {
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
-          if (lane == 0) sh.merge_max[slot][h] = state.max[h], sh.merge_sum[slot][h] = state.sum[h];
-#pragma unroll
-          for (int j = 0; j < kPerLane; ++j) sh.merge_acc[slot][h][lane * kPerLane + j] = state.acc[h][j];
-        }
-      }
-      __syncthreads();
-      if (warp < active) {
-#pragma unroll
-        for (int h = 0; h < G; ++h)
-          state.merge(h, sh.merge_max[warp][h], sh.merge_sum[warp][h], &sh.merge_acc[warp][h][lane * kPerLane]);
-      }
-      __syncthreads();
+      for (int h = 0; h < G; ++h) sh.warp_max[warp][h] = state.max[h], sh.warp_sum[warp][h] = state.sum[h];
     }
-    if (warp == 0) {
+    __syncthreads();
+    const auto scale_to_cta = [&](int h) {  // this warp's factor for head h: exp2(its max - CTA max)
+      float cta_max = kNegInf;
+      for (int w = 0; w < kWarps; ++w) cta_max = fmaxf(cta_max, sh.warp_max[w][h]);
+      return state.max[h] == kNegInf ? 0.f : exp2f(state.max[h] - cta_max);
+    };
+    constexpr int kMergeSlots = AttentionShared<S>::kMergeSlots;
+    if (warp >= kMergeSlots) {
 #pragma unroll
       for (int h = 0; h < G; ++h) {
-        float* out = partials + (static_cast<size_t>(g * G + h) * kMaxSplits + split) * kPartialStride;
+        const float scale = scale_to_cta(h);
 #pragma unroll
-        for (int j = 0; j < kPerLane; ++j) out[lane * kPerLane + j] = state.acc[h][j];
-        if (lane == 0) out[HD] = state.max[h], out[HD + 1] = state.sum[h];
+        for (int j = 0; j < kPerLane; ++j) sh.merge_acc[warp - kMergeSlots][h][lane * kPerLane + j] = state.acc[h][j] * scale;
       }
+    }
+    __syncthreads();
+    if (warp < kMergeSlots) {
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float scale = scale_to_cta(h);
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) sh.merge_acc[warp][h][lane * kPerLane + j] += state.acc[h][j] * scale;
+      }
+    }
+    __syncthreads();
+    float* split_partials = partials + (static_cast<size_t>(g * G) * kMaxSplits + split) * kPartialStride;
+    for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
+      const int h = idx / HD, d = idx % HD;
+      float acc = 0.f;
+      for (int slot = 0; slot < kMergeSlots; ++slot) acc += sh.merge_acc[slot][h][d];
+      split_partials[static_cast<size_t>(h) * kMaxSplits * kPartialStride + d] = acc;
+    }
+    if (threadIdx.x < G) {
+      const int h = threadIdx.x;
+      float cta_max = kNegInf, cta_sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) cta_max = fmaxf(cta_max, sh.warp_max[w][h]);
+      for (int w = 0; w < kWarps; ++w)
+        if (sh.warp_max[w][h] != kNegInf) cta_sum += sh.warp_sum[w][h] * exp2f(sh.warp_max[w][h] - cta_max);
+      float* out = split_partials + static_cast<size_t>(h) * kMaxSplits * kPartialStride;
+      out[HD] = cta_max, out[HD + 1] = cta_sum;
     }
 
     // The CTA that completes KV head g's last split combines all of g's splits.

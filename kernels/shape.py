@@ -109,7 +109,7 @@ class KernelShape:
         merge_slots = WARPS // 2
         attention_floats = (
             group_elems  # q
-            + merge_slots * (group_elems + 2 * self.group)  # merge_max, merge_sum, merge_acc
+            + WARPS * 2 * self.group + merge_slots * group_elems  # warp_max, warp_sum, merge_acc
             + self.group * MAX_SPLITS + self.group  # split_weight, inv_total
         )
         attention = FLOAT_BYTES * attention_floats + FLOAT_BYTES  # + is_last_split
