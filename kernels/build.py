@@ -25,6 +25,8 @@ from .shape import KernelShape
 
 SOURCE_DIR = Path(__file__).resolve().parent
 MAIN_SOURCE = "decode_step.cu"
+BARRIER_PROBE_SOURCE = "barrier_probe.cu"
+BARRIER_PROBE_NAME = "megakernel::barrier_probe"
 SOURCE_SUFFIXES = (".cu", ".cuh")
 CXX_STANDARD = "c++17"
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
@@ -38,7 +40,7 @@ class KernelBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class CompiledKernel:
-    """One instantiation of decode_step, ready to load on a device of `arch`."""
+    """One kernel instantiation (decode_step for a shape, or barrier_probe), ready to load on `arch`."""
 
     cubin: bytes
     name_expression: str  # e.g. megakernel::decode_step<megakernel::ModelShape<...>, false>
@@ -128,24 +130,30 @@ def cache_key(sources: dict[str, str], arch: str, name_expression: str) -> str:
 
 
 class KernelCache:
-    """Compiled decode-step kernels in `directory` (created on first use)."""
+    """Compiled kernels (the decode step per shape, the barrier probe) in `directory` (created on first use)."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
 
     def decode_step(self, shape: KernelShape, arch: str, timing: bool = False) -> CompiledKernel:
         """The cubin of decode_step for `shape` on `arch`, from the cache or freshly compiled."""
+        return self._kernel(MAIN_SOURCE, shape.kernel_name(timing), arch)
+
+    def barrier_probe(self, arch: str) -> CompiledKernel:
+        """The cubin of barrier_probe (the grid barrier alone) on `arch`."""
+        return self._kernel(BARRIER_PROBE_SOURCE, BARRIER_PROBE_NAME, arch)
+
+    def _kernel(self, source_name: str, name_expression: str, arch: str) -> CompiledKernel:
         if arch not in supported_archs() and arch.rstrip("a") not in supported_archs():
             raise KernelBuildError(
                 f"NVRTC {nvrtc_version()} cannot compile for {arch}; it supports {supported_archs()}"
             )
-        name_expression = shape.kernel_name(timing)
         sources = source_files()
         key = cache_key(sources, arch, name_expression)
         cached = self._read(key, name_expression, arch)
         if cached is not None:
             return cached
-        compiled = compile_source(sources[MAIN_SOURCE], arch, name_expression)
+        compiled = compile_source(sources[source_name], arch, name_expression)
         self._write(key, compiled)
         return compiled
 

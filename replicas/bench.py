@@ -12,7 +12,8 @@ and reports ms/step, tokens/s, kernel launches per step (counted with torch.prof
 fraction of the HBM roofline: (weight bytes + KV bytes read per step) / step time, over the read
 bandwidth measured in the same run with a large reduction. The megakernel's per-stage breakdown
 comes from its in-kernel timestamps (a second build with timing on; its cost is reported too),
-each stage beside the bytes it must read and the fraction of the measured bandwidth it reached.
+each stage beside the bytes it must read and the fraction of the measured bandwidth it reached;
+the cost of one grid barrier (kernels/barrier_probe.py) is measured in the same run.
 
 Runs on a bare GPU image: imports only torch, cuda-python and this package's kernels/ and models/.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from megaserve.kernels.barrier_probe import time_grid_barrier
 from megaserve.kernels.build import KernelCache
 from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep
 from megaserve.kernels.profiling import count_kernel_launches
@@ -247,8 +249,9 @@ def bench_megakernel(
     return seconds, launches, {k: v * 1e3 for k, v in stages.items()}, (timed_seconds - seconds) * 1e3
 
 
-def format_table(results: list[Result], bandwidth: float) -> str:
-    lines = [f"HBM read bandwidth (reduction): {bandwidth / 1e9:,.0f} GB/s",
+def format_table(results: list[Result], bandwidth: float, barrier_seconds: float) -> str:
+    lines = [f"HBM read bandwidth (reduction): {bandwidth / 1e9:,.0f} GB/s; one grid barrier: "
+             f"{barrier_seconds * 1e6:.2f} µs",
              f"{'model':<14} {'ctx':>5} {'method':<14} {'ms/step':>8} {'tok/s':>8} {'launches':>8} {'roofline':>8}"]
     for r in results:
         if r.error:
@@ -292,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     bandwidth = read_bandwidth(device)
     kernel_cache = KernelCache(args.kernel_cache)
+    barrier_seconds = time_grid_barrier(kernel_cache, device)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"read bandwidth {bandwidth / 1e9:,.0f} GB/s on {torch.cuda.get_device_name(device)}")
+    log(f"read bandwidth {bandwidth / 1e9:,.0f} GB/s, grid barrier {barrier_seconds * 1e6:.2f} µs "
+        f"on {torch.cuda.get_device_name(device)}")
     results = []
     for name in args.models:
         results += bench_model(name, tuple(args.contexts), tuple(args.methods), kernel_cache, bandwidth, log)
@@ -302,11 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "read_bandwidth_bytes_per_second": bandwidth,
+        "grid_barrier_seconds": barrier_seconds,
         "seconds": time.time() - started,
         "results": [asdict(r) for r in results],
     }
     args.out.write_text(json.dumps(report, indent=2))
-    print(format_table(results, bandwidth))
+    print(format_table(results, bandwidth, barrier_seconds))
     return 0
 
 

@@ -45,6 +45,12 @@ def test_bench_shapes_do_not_spill(name):
     assert 0 < usage.registers <= REGISTERS_PER_SM // THREADS
 
 
+def test_the_barrier_probe_compiles_for_hopper(shared_cache):
+    compiled = shared_cache.barrier_probe(HOPPER)
+    assert compiled.cubin.startswith(CUBIN_MAGIC)
+    assert "barrier_probe" in compiled.symbol
+
+
 @pytest.mark.parametrize("arch", BLACKWELL)
 def test_compiles_for_blackwell_when_nvrtc_supports_it(shared_cache, arch):
     if arch.rstrip("a") not in supported_archs():

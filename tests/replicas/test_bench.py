@@ -38,8 +38,8 @@ def test_the_table_reports_each_stage_s_share_of_the_measured_bandwidth():
                stage_ms={"qkv": 2.0, "lm_head": 0.5}, stage_bytes=stage_bytes, timing_cost_ms=0.004),
         Result("Llama-3.2-1B", 1024, "compile+graph", error="BackendCompilerFailed: inductor\ndetails"),
     ]
-    table = format_table(results, bandwidth)
-    assert "HBM read bandwidth (reduction): 4,000 GB/s" in table
+    table = format_table(results, bandwidth, barrier_seconds=1.25e-6)
+    assert "HBM read bandwidth (reduction): 4,000 GB/s; one grid barrier: 1.25 µs" in table
     assert "megakernel        2.000      500        1    75.0%" in table
     assert "compile+graph  failed: BackendCompilerFailed: inductor" in table and "details" not in table
     assert "timing costs +0.004 ms/step" in table
