@@ -302,6 +302,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     __syncthreads();
     const auto scale_to_cta = [&](int h) {  // this warp's factor for head h: exp2(its max - CTA max)
       float cta_max = kNegInf;
+#pragma unroll 1
       for (int w = 0; w < kWarps; ++w) cta_max = fmaxf(cta_max, sh.warp_max[w][h]);
       return state.max[h] == kNegInf ? 0.f : exp2f(state.max[h] - cta_max);
     };
