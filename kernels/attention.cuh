@@ -12,6 +12,7 @@
 namespace megakernel {
 
 constexpr int kMaxSplits = 64;       // partial results per query head
+constexpr int kCombineChunk = 16;    // splits whose partials one combine thread loads at once
 constexpr int kKvRowBytesPerIter = 1024;  // bytes of one warp's K (and as many of V) loads per iteration
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -cuda::std::numeric_limits<float>::infinity();
@@ -71,8 +72,6 @@ struct AttentionShared {
   float warp_max[kWarps][S::group];  // every warp's online-softmax state, for the CTA merge
   float warp_sum[kWarps][S::group];
   float merge_acc[kMergeSlots][S::group][S::head_dim];  // scaled accumulators, two warps per slot
-  float split_weight[S::group][kMaxSplits];  // exp2(max_s - max) of each split, for the combine
-  float inv_total[S::group];
   int is_last_split;
 };
 
@@ -190,6 +189,27 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     const int begin = split * chunk, end = min(n, begin + chunk);
     const size_t head_offset = static_cast<size_t>(g) * max_seq * HD;
 
+    // The warp's first block of keys is loaded before the query heads are prepared, so its HBM
+    // latency runs under theirs; a block that holds the new position is loaded again once the
+    // append below has written it.
+    using Raw = typename RowSlice<kPerLane>::Raw;
+    struct KvBlock {
+      Raw k[kKeysPerIter], v[kKeysPerIter];
+    };
+    const auto load_block = [&](int t0, KvBlock& block) {
+#pragma unroll
+      for (int u = 0; u < kKeysPerIter; ++u) {
+        if (t0 + u < end) {
+          const size_t row = head_offset + static_cast<size_t>(t0 + u) * HD + lane * kPerLane;
+          block.k[u] = load_slice<kPerLane>(cache.k + row);
+          block.v[u] = load_slice<kPerLane>(cache.v + row);
+        }
+      }
+    };
+    const int first_key = begin + warp * kKeysPerIter;
+    KvBlock current = {}, next = {};
+    if (first_key < end) load_block(first_key, current);
+
     for (int h = warp; h < G; h += kWarps) {
       float x[kPerLane];
       prepare_head<S>(qkv + (g * G + h) * HD, q_norm, inv_freq, pos, eps, lane, x);
@@ -209,6 +229,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
       }
     }
     __syncthreads();
+    if (end == n && first_key < end && end <= first_key + kKeysPerIter) load_block(first_key, current);
 
     float q[G][kPerLane];
 #pragma unroll
@@ -221,20 +242,6 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     // are slots of one warp_reduce_scatter: lane l owns slot l / kLanesPerSlot = (head, key), so
     // the softmax's max, exp and running sum are done once per slot, by its lanes, and each lane
     // then gathers the probabilities it needs for its head_dim slice of the output.
-    using Raw = typename RowSlice<kPerLane>::Raw;
-    struct KvBlock {
-      Raw k[kKeysPerIter], v[kKeysPerIter];
-    };
-    const auto load_block = [&](int t0, KvBlock& block) {
-#pragma unroll
-      for (int u = 0; u < kKeysPerIter; ++u) {
-        if (t0 + u < end) {
-          const size_t row = head_offset + static_cast<size_t>(t0 + u) * HD + lane * kPerLane;
-          block.k[u] = load_slice<kPerLane>(cache.k + row);
-          block.v[u] = load_slice<kPerLane>(cache.v + row);
-        }
-      }
-    };
     const int slot = lane / kLanesPerSlot;
     const int slot_head = slot / kKeysPerIter, slot_key = slot % kKeysPerIter;  // slot_head >= G: padding
     const bool counts_sum = slot_head < G && lane % kLanesPerSlot == 0;  // one lane per slot adds to the sum
@@ -243,10 +250,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     constexpr int kWarpStride = kWarps * kKeysPerIter;
     SoftmaxState<S> state;
     state.reset();
-    KvBlock current = {}, next = {};
-    int t0 = begin + warp * kKeysPerIter;
-    if (t0 < end) load_block(t0, current);
-    for (; t0 < end; t0 += kWarpStride) {
+    for (int t0 = first_key; t0 < end; t0 += kWarpStride) {
       if (t0 + kWarpStride < end) load_block(t0 + kWarpStride, next);
       float k[kKeysPerIter][kPerLane], v[kKeysPerIter][kPerLane];
 #pragma unroll
@@ -351,27 +355,37 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     }
     __syncthreads();
     if (sh.is_last_split) {
-      for (int h = warp; h < G; h += kWarps) {  // a warp per head: the splits' weights and total
-        const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride;
-        float split_max = kNegInf;
-        for (int s = lane; s < splits; s += kWarpSize) split_max = fmaxf(split_max, __ldcg(part + s * kPartialStride + HD));
-        const float global_max = warp_max(split_max);
-        float total = 0.f;
-        for (int s = lane; s < splits; s += kWarpSize) {
-          const float w = exp2f(__ldcg(part + s * kPartialStride + HD) - global_max);
-          sh.split_weight[h][s] = w;
-          total = fmaf(__ldcg(part + s * kPartialStride + HD + 1), w, total);
-        }
-        total = warp_sum(total);
-        if (lane == 0) sh.inv_total[h] = 1.f / total;
-      }
-      __syncthreads();
+      // A thread per output channel (h, d) folds the splits in chunks of kCombineChunk with an
+      // online softmax: every load of a chunk is issued before its first use, so up to
+      // kCombineChunk splits cost one L2 round trip.
       for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
         const int h = idx / HD, d = idx % HD;
-        const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride + d;
-        float out = 0.f;
-        for (int s = 0; s < splits; ++s) out = fmaf(__ldcg(part + s * kPartialStride), sh.split_weight[h][s], out);
-        attn_out[(g * G + h) * HD + d] = __float2bfloat16(out * sh.inv_total[h]);
+        const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride;
+        float run_max = kNegInf, run_sum = 0.f, run_acc = 0.f;
+        for (int s0 = 0; s0 < splits; s0 += kCombineChunk) {
+          float m[kCombineChunk], l[kCombineChunk], a[kCombineChunk];
+#pragma unroll
+          for (int i = 0; i < kCombineChunk; ++i) {
+            const float* split_part = part + (s0 + i) * kPartialStride;
+            const bool valid = s0 + i < splits;
+            m[i] = valid ? __ldcg(split_part + HD) : kNegInf;
+            l[i] = valid ? __ldcg(split_part + HD + 1) : 0.f;
+            a[i] = valid ? __ldcg(split_part + d) : 0.f;
+          }
+          float chunk_max = run_max;  // finite after the first chunk: every split has a key
+#pragma unroll
+          for (int i = 0; i < kCombineChunk; ++i) chunk_max = fmaxf(chunk_max, m[i]);
+          const float rescale = run_max == kNegInf ? 0.f : exp2f(run_max - chunk_max);
+          run_sum *= rescale, run_acc *= rescale;
+#pragma unroll
+          for (int i = 0; i < kCombineChunk; ++i) {
+            const float w = m[i] == kNegInf ? 0.f : exp2f(m[i] - chunk_max);
+            run_sum = fmaf(l[i], w, run_sum);
+            run_acc = fmaf(a[i], w, run_acc);
+          }
+          run_max = chunk_max;
+        }
+        attn_out[(g * G + h) * HD + d] = __float2bfloat16(run_acc / run_sum);
       }
       if (threadIdx.x == 0) split_counters[g] = 0;
     }

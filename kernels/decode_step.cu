@@ -64,17 +64,40 @@ struct LayerWeights {
 };
 
 // The weight rows of each GEMV, as pairs (see gemv_row_pairs).
+
+// Row r of the q, k and v projections stacked: rows [0, q_dim), then k, then v.
 template <class S>
-struct QkvRows {  // q, k and v projections stacked: rows [0, q_dim), then k, then v
+__device__ __forceinline__ const bf16* qkv_row(const LayerWeights& w, int r) {
+  return r < S::q_dim               ? w.wq + static_cast<size_t>(r) * S::hidden
+         : r < S::q_dim + S::kv_dim ? w.wk + static_cast<size_t>(r - S::q_dim) * S::hidden
+                                    : w.wv + static_cast<size_t>(r - S::q_dim - S::kv_dim) * S::hidden;
+}
+
+template <class S>
+struct QkvRows {  // pair p = stacked rows 2p and 2p + 1
   LayerWeights w;
   __device__ RowPair operator()(int p) const {
-    const int r = 2 * p;  // q_dim and kv_dim are even: a pair never straddles two matrices
-    const bf16* base = r < S::q_dim               ? w.wq + static_cast<size_t>(r) * S::hidden
-                       : r < S::q_dim + S::kv_dim ? w.wk + static_cast<size_t>(r - S::q_dim) * S::hidden
-                                                  : w.wv + static_cast<size_t>(r - S::q_dim - S::kv_dim) * S::hidden;
+    const bf16* base = qkv_row<S>(w, 2 * p);  // q_dim and kv_dim are even: a pair never straddles two matrices
     return RowPair{base, base + S::hidden};
   }
 };
+
+template <class S>
+struct QkvRowHalves {  // unit r = stacked row r as its two halves, each against its half of x
+  LayerWeights w;
+  __device__ RowPair operator()(int r) const {
+    const bf16* base = qkv_row<S>(w, r);
+    return RowPair{base, base + S::hidden / 2, S::hidden / 2 / kVecElems};
+  }
+};
+
+// The QKV GEMV hands out single rows (as two half-row streams, kQkvByRows) instead of row pairs
+// when a half row is whole chunks of loads: then a row costs half a pair, and rows fill a last
+// round that pairs leave partial. Llama-3.1-8B on 132 SMs: 3,072 pairs for 2,112 warps take 2
+// rounds of 4 chunks per warp, 6,144 rows take 3 rounds of 2. (Decided at compile time: choosing
+// at run time keeps both variants' registers live and spills.)
+template <class S>
+constexpr bool kQkvByRows = S::hidden % (2 * kVecElems * kWarpSize * kLoadsInFlight) == 0;
 
 template <class S>
 struct OProjRows {
@@ -146,16 +169,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   GridBarrier barrier = GridBarrier::open(counters + kCounterBarrier);
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
-  WeightChunk ahead = prefetch_weights<S::hidden>(kQkvPairs, QkvRows<S>{layers[0]});
+  const auto prefetch_qkv = [&](const LayerWeights& w) {
+    if constexpr (kQkvByRows<S>)
+      return prefetch_weights<S::hidden / 2>(S::qkv_dim, QkvRowHalves<S>{w});
+    else
+      return prefetch_weights<S::hidden>(kQkvPairs, QkvRows<S>{w});
+  };
+  WeightChunk ahead = prefetch_qkv(layers[0]);
 
   for (int l = 0; l < S::layers; ++l) {
     const LayerWeights w = layers[l];
     const bf16* residual = l == 0 ? embed_row : hidden;  // layer 0 reads the embedding in place
 
     rms_norm_to_shared<S::hidden>(residual, w.attn_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
-      reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
-    });
+    if constexpr (kQkvByRows<S>)
+      gemv_row_pairs<S::hidden / 2>(S::qkv_dim, sh.x, QkvRowHalves<S>{w}, sh.split_sums, ahead,
+                                    [&](int r, float d0, float d1) { qkv[r] = __float2bfloat16(d0 + d1); });
+    else
+      gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
+        reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
+      });
     barrier.sync();
     timer.mark();
 
@@ -189,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     });
     barrier.sync([&] {
       if (l + 1 < S::layers)
-        ahead = prefetch_weights<S::hidden>(kQkvPairs, QkvRows<S>{layers[l + 1]});
+        ahead = prefetch_qkv(layers[l + 1]);
       else
         ahead = prefetch_weights<S::hidden>(kLmHeadPairs, LmHeadRows<S>{lm_head});
     });

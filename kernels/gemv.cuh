@@ -12,9 +12,12 @@ namespace megakernel {
 // between arriving at the barrier and waiting on it, prefetch_weights, made 1B 4% faster.)
 constexpr int kLoadsInFlight = 4;
 
+// Two weight rows that one warp streams together. Usually two rows of the matrix against the same
+// input; for one row split into halves, w1 is its second half and reads x from x1_offset on.
 struct RowPair {
   const bf16* w0;
   const bf16* w1;
+  int x1_offset = 0;  // in 16-byte vectors of x
 };
 
 // out (shared, bf16 [N]) = x (global, bf16 [N]) staged as is.
@@ -140,9 +143,8 @@ __device__ __forceinline__ float2 dot_rows2(const RowPair& pair, const bf16* x, 
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const int v = base + u * kWarpSize + lane;
       if (v < end) {
-        const uint4 xv = x_vec[v];
-        acc0 = dot8(chunk.r0[u], xv, acc0);
-        acc1 = dot8(chunk.r1[u], xv, acc1);
+        acc0 = dot8(chunk.r0[u], x_vec[v], acc0);
+        acc1 = dot8(chunk.r1[u], x_vec[v + pair.x1_offset], acc1);
       }
     }
   }

@@ -110,7 +110,6 @@ class KernelShape:
         attention_floats = (
             group_elems  # q
             + WARPS * 2 * self.group + merge_slots * group_elems  # warp_max, warp_sum, merge_acc
-            + self.group * MAX_SPLITS + self.group  # split_weight, inv_total
         )
         attention = FLOAT_BYTES * attention_floats + FLOAT_BYTES  # + is_last_split
         return max(BF16_BYTES * self.max_input, attention) + SHARED_RESERVED
