@@ -37,6 +37,12 @@ SHAPES = {
         head_dim=128, tie_word_embeddings=True, num_hidden_layers=3, rope_scaling=LLAMA31_SCALING,
         initializer_range=INIT_GAIN / 512**0.5,
     ),
+    # hidden 2,048 (a half row of QKV is whole chunks of loads, so QKV goes by single rows, as on the
+    # 1B and 8B checkpoints), head_dim 128, GQA 4, untied, 2 layers
+    "llama-h2048-gqa4": dict(
+        family="llama", hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=128, tie_word_embeddings=False, num_hidden_layers=2, initializer_range=INIT_GAIN / 2048**0.5,
+    ),
 }
 
 
