@@ -69,9 +69,9 @@ template <class S>
 struct AttentionShared {
   static constexpr int kMergeSlots = kWarps / 2;
   float q[S::group][S::head_dim];  // the group's query heads, normed and rotated (bf16-exact values)
-  float warp_max[kWarps][S::group];  // every warp's online-softmax state, for the CTA merge
-  float warp_sum[kWarps][S::group];
-  float merge_acc[kMergeSlots][S::group][S::head_dim];  // scaled accumulators, two warps per slot
+  float merge_max[kMergeSlots][S::group];
+  float merge_sum[kMergeSlots][S::group];
+  float merge_acc[kMergeSlots][S::group][S::head_dim];
   int is_last_split;
 };
 
@@ -112,12 +112,30 @@ __device__ __forceinline__ void load_row_slice(const bf16* p, float* out) {
   unpack_slice<kPerLane>(load_slice<kPerLane>(p), out);
 }
 
+// cos and sin of the new position's rotary angles (inv_freq[i] * pos), rounded to bf16 as the
+// reference's are. The same for every layer: filled once per step, so the attention stages pay no
+// sincosf (and the per-layer code carries none).
+template <class S>
+struct RopeTable {
+  float cos[S::head_dim / 2];
+  float sin[S::head_dim / 2];
+
+  // The CTA fills it; visible to the CTA after its next __syncthreads.
+  __device__ __forceinline__ void fill(const float* inv_freq, int pos) {
+    for (int i = threadIdx.x; i < S::head_dim / 2; i += kThreads) {
+      float sin_a, cos_a;
+      sincosf(static_cast<float>(pos) * inv_freq[i], &sin_a, &cos_a);
+      cos[i] = bf16_round(cos_a), sin[i] = bf16_round(sin_a);
+    }
+  }
+};
+
 // One head (a warp): load its raw projection from qkv, RMS-norm it (Qwen3), rotate it (Hugging Face
 // rotate_half: channel d pairs with d + head_dim/2, which sits in lane + 16), rounding to bf16 where
 // the reference does. Returns the lane's slice.
 template <class S>
-__device__ __forceinline__ void prepare_head(const bf16* raw, const bf16* norm_weight, const float* inv_freq,
-                                             int pos, float eps, int lane, float* x) {
+__device__ __forceinline__ void prepare_head(const bf16* raw, const bf16* norm_weight, const RopeTable<S>& rope,
+                                             float eps, int lane, float* x) {
   constexpr int kPerLane = S::head_dim / kWarpSize;
   constexpr int kHalfLanes = kWarpSize / 2;
   load_row_slice<kPerLane>(raw + lane * kPerLane, x);
@@ -134,9 +152,8 @@ __device__ __forceinline__ void prepare_head(const bf16* raw, const bf16* norm_w
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const float partner = __shfl_xor_sync(kFullMask, x[j], kHalfLanes);
-    float sin_a, cos_a;
-    sincosf(static_cast<float>(pos) * inv_freq[(lane % kHalfLanes) * kPerLane + j], &sin_a, &cos_a);
-    const float c = bf16_round(cos_a), s = bf16_round(sin_a);  // the reference's cos/sin are bf16
+    const int i = (lane % kHalfLanes) * kPerLane + j;
+    const float c = rope.cos[i], s = rope.sin[i];
     x[j] = bf16_round(first_half ? x[j] * c - partner * s : x[j] * c + partner * s);
   }
 }
@@ -157,11 +174,22 @@ struct SoftmaxState {
       for (int j = 0; j < kPerLane; ++j) acc[h][j] = 0.f;
     }
   }
+
+  // Fold another state (max m, sum l, acc slice a) of head h into this one.
+  __device__ __forceinline__ void merge(int h, float m, float l, const float* a) {
+    if (m == kNegInf) return;
+    const float new_max = fmaxf(max[h], m);
+    const float mine = exp2f(max[h] - new_max), theirs = exp2f(m - new_max);
+    sum[h] = sum[h] * mine + l * theirs;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) acc[h][j] = acc[h][j] * mine + a[j] * theirs;
+    max[h] = new_max;
+  }
 };
 
 template <class S>
 __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const bf16* q_norm, const bf16* k_norm,
-                                const float* inv_freq, int pos, int max_seq, float eps, float* partials,
+                                const RopeTable<S>& rope, int pos, int max_seq, float eps, float* partials,
                                 unsigned* split_counters, bf16* attn_out, AttentionShared<S>& sh) {
   constexpr int G = S::group;
   constexpr int HD = S::head_dim;
@@ -212,13 +240,13 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 
     for (int h = warp; h < G; h += kWarps) {
       float x[kPerLane];
-      prepare_head<S>(qkv + (g * G + h) * HD, q_norm, inv_freq, pos, eps, lane, x);
+      prepare_head<S>(qkv + (g * G + h) * HD, q_norm, rope, eps, lane, x);
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) sh.q[h][lane * kPerLane + j] = x[j];
     }
     if (end == n && warp == 0) {  // this split owns the new position: append its key and value
       float k[kPerLane];
-      prepare_head<S>(qkv + S::q_dim + g * HD, k_norm, inv_freq, pos, eps, lane, k);
+      prepare_head<S>(qkv + S::q_dim + g * HD, k_norm, rope, eps, lane, k);
       bf16* k_dst = cache.k + head_offset + static_cast<size_t>(pos) * HD + lane * kPerLane;
       bf16* v_dst = cache.v + head_offset + static_cast<size_t>(pos) * HD + lane * kPerLane;
       const bf16* v_src = qkv + S::q_dim + S::kv_dim + g * HD + lane * kPerLane;
@@ -296,54 +324,33 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 #pragma unroll
     for (int h = 0; h < G; ++h) state.sum[h] = __shfl_sync(kFullMask, slot_sum, h * kLanesPerHead);
 
-    // Merge the warps' states in three steps: every warp's max and sum out; each warp scales its
-    // accumulator to the CTA's max and adds it into a slot (warps w and w + kMergeSlots share
-    // one); all threads add the slots up and write the split's partial.
-    if (lane == 0) {
+    // Merge the warps' states pairwise in shared memory; warp 0 ends with the CTA's.
+    for (int active = kWarps / 2; active >= 1; active /= 2) {
+      if (warp >= active && warp < 2 * active) {
+        const int slot = warp - active;
 #pragma unroll
-      for (int h = 0; h < G; ++h) sh.warp_max[warp][h] = state.max[h], sh.warp_sum[warp][h] = state.sum[h];
+        for (int h = 0; h < G; ++h) {
+          if (lane == 0) sh.merge_max[slot][h] = state.max[h], sh.merge_sum[slot][h] = state.sum[h];
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) sh.merge_acc[slot][h][lane * kPerLane + j] = state.acc[h][j];
+        }
+      }
+      __syncthreads();
+      if (warp < active) {
+#pragma unroll
+        for (int h = 0; h < G; ++h)
+          state.merge(h, sh.merge_max[warp][h], sh.merge_sum[warp][h], &sh.merge_acc[warp][h][lane * kPerLane]);
+      }
+      __syncthreads();
     }
-    __syncthreads();
-    const auto scale_to_cta = [&](int h) {  // this warp's factor for head h: exp2(its max - CTA max)
-      float cta_max = kNegInf;
-#pragma unroll 1
-      for (int w = 0; w < kWarps; ++w) cta_max = fmaxf(cta_max, sh.warp_max[w][h]);
-      return state.max[h] == kNegInf ? 0.f : exp2f(state.max[h] - cta_max);
-    };
-    constexpr int kMergeSlots = AttentionShared<S>::kMergeSlots;
-    if (warp >= kMergeSlots) {
+    if (warp == 0) {
 #pragma unroll
       for (int h = 0; h < G; ++h) {
-        const float scale = scale_to_cta(h);
+        float* out = partials + (static_cast<size_t>(g * G + h) * kMaxSplits + split) * kPartialStride;
 #pragma unroll
-        for (int j = 0; j < kPerLane; ++j) sh.merge_acc[warp - kMergeSlots][h][lane * kPerLane + j] = state.acc[h][j] * scale;
+        for (int j = 0; j < kPerLane; ++j) out[lane * kPerLane + j] = state.acc[h][j];
+        if (lane == 0) out[HD] = state.max[h], out[HD + 1] = state.sum[h];
       }
-    }
-    __syncthreads();
-    if (warp < kMergeSlots) {
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        const float scale = scale_to_cta(h);
-#pragma unroll
-        for (int j = 0; j < kPerLane; ++j) sh.merge_acc[warp][h][lane * kPerLane + j] += state.acc[h][j] * scale;
-      }
-    }
-    __syncthreads();
-    float* split_partials = partials + (static_cast<size_t>(g * G) * kMaxSplits + split) * kPartialStride;
-    for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
-      const int h = idx / HD, d = idx % HD;
-      float acc = 0.f;
-      for (int slot = 0; slot < kMergeSlots; ++slot) acc += sh.merge_acc[slot][h][d];
-      split_partials[static_cast<size_t>(h) * kMaxSplits * kPartialStride + d] = acc;
-    }
-    if (threadIdx.x < G) {
-      const int h = threadIdx.x;
-      float cta_max = kNegInf, cta_sum = 0.f;
-      for (int w = 0; w < kWarps; ++w) cta_max = fmaxf(cta_max, sh.warp_max[w][h]);
-      for (int w = 0; w < kWarps; ++w)
-        if (sh.warp_max[w][h] != kNegInf) cta_sum += sh.warp_sum[w][h] * exp2f(sh.warp_max[w][h] - cta_max);
-      float* out = split_partials + static_cast<size_t>(h) * kMaxSplits * kPartialStride;
-      out[HD] = cta_max, out[HD + 1] = cta_sum;
     }
 
     // The CTA that completes KV head g's last split combines all of g's splits.

@@ -6,8 +6,7 @@
 namespace megakernel {
 
 __global__ void __launch_bounds__(kThreads, 1) barrier_probe(unsigned* counter, int rounds) {
-  GridBarrier barrier = GridBarrier::open(counter);
-  for (int i = 0; i < rounds; ++i) barrier.sync();
+  for (int i = 0; i < rounds; ++i) grid_barrier(counter);
 }
 
 }  // namespace megakernel

@@ -79,63 +79,48 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Grid-wide barrier on one zero-initialised counter in global memory. Every CTA adds 1 except CTA 0,
 // which adds 2^31 - (grid - 1): the counter's top bit flips exactly when the last CTA arrives and its
 // low bits return to zero, so the same counter serves every barrier of every launch without a reset.
 // Needs all CTAs co-resident (cooperative launch).
 //
-// Thread 0 of each CTA knows the phase (the top bit) from a read at kernel start (no barrier of the
-// launch can complete before this CTA arrives), so it arrives with a release reduction that returns
-// nothing and polls at once: no round trip for an atomic's old value before the polling starts.
 // Split in arrive and wait so that a CTA can issue loads that need nothing from this stage (the
 // next GEMV's weights) in between. No fence follows the wait: a fence would stall thread 0 until
 // those loads return. Thread 0's acquire load orders its later reads, __syncthreads extends that to
 // the CTA, and every read of another CTA's data goes to L2 (ld.cg / ld.acquire), never to a
 // possibly stale L1 line.
-struct GridBarrier {
-  unsigned* counter;
-  unsigned phase;  // thread 0: the counter's top bit that ends the next wait
-
-  __device__ static GridBarrier open(unsigned* counter) {
-    return GridBarrier{counter, threadIdx.x == 0 ? load_acquire(counter) & kBarrierFlipBit : 0u};
+__device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
+  __syncthreads();
+  unsigned before = 0;
+  if (threadIdx.x == 0) {
+    const unsigned arrive = blockIdx.x == 0 ? kBarrierFlipBit - (gridDim.x - 1) : 1u;
+    __threadfence();  // this CTA's writes of the stage are visible before its arrival is
+    before = atomicAdd(counter, arrive);
   }
+  return before;  // meaningful in thread 0
+}
 
-  __device__ __forceinline__ void arrive() {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const unsigned add = blockIdx.x == 0 ? kBarrierFlipBit - (gridDim.x - 1) : 1u;
-      // release: this CTA's writes of the stage (ordered before it by __syncthreads) are visible first
-      asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(add) : "memory");
-      phase ^= kBarrierFlipBit;
-    }
+__device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned before) {
+  if (threadIdx.x == 0) {
+    unsigned now;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+    } while (((before ^ now) & kBarrierFlipBit) == 0);
   }
+  __syncthreads();
+}
 
-  __device__ __forceinline__ void wait() {
-    if (threadIdx.x == 0)
-      while ((load_acquire(counter) & kBarrierFlipBit) != phase) {
-      }
-    __syncthreads();
-  }
+// `between` runs after this CTA arrives and before it waits: independent work only.
+template <class Between>
+__device__ __forceinline__ void grid_barrier(unsigned* counter, Between between) {
+  const unsigned before = grid_arrive(counter);
+  between();
+  grid_wait(counter, before);
+}
 
-  // `between` runs after this CTA arrives and before it waits: independent work only.
-  template <class Between>
-  __device__ __forceinline__ void sync(Between between) {
-    arrive();
-    between();
-    wait();
-  }
-
-  __device__ __forceinline__ void sync() {
-    arrive();
-    wait();
-  }
-};
+__device__ __forceinline__ void grid_barrier(unsigned* counter) {
+  grid_wait(counter, grid_arrive(counter));
+}
 
 __device__ __forceinline__ unsigned long long global_timer_ns() {
   unsigned long long t;

@@ -141,6 +141,7 @@ struct SharedStorage {
     alignas(16) bf16 x[S::max_input];  // the GEMV input vector of the current stage
     AttentionShared<S> attention;
   };
+  RopeTable<S> rope;
   float reduce[kWarps];
   unsigned long long best[kWarps];
   float2 split_sums[kWarps];  // per-warp partial dots of a row pair shared by warps (gemv_row_pairs)
@@ -166,7 +167,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int token = __ldcg(state + kStateToken);
   const int pos = __ldcg(state + kStatePos);
   const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
-  GridBarrier barrier = GridBarrier::open(counters + kCounterBarrier);
+  sh.rope.fill(rope_inv_freq, pos);  // published by layer 0's RMSNorm's __syncthreads
+  unsigned* barrier = counters + kCounterBarrier;
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
   const auto prefetch_qkv = [&](const LayerWeights& w) {
@@ -189,20 +191,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
         reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
       });
-    barrier.sync();
+    grid_barrier(barrier);
     timer.mark();
 
-    attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, rope_inv_freq, pos, max_seq,
+    attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, sh.rope, pos, max_seq,
                        rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention);
-    barrier.sync([&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
+    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
     timer.mark();
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
-    gemv_row_pairs<S::q_dim>(kOPairs, sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
-      const float2 res = __bfloat1622float2(__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p));
+    const auto residual_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p); };
+    gemv_row_pairs<S::q_dim>(kOPairs, sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead, residual_pair,
+                             [&](int p, float d0, float d1, __nv_bfloat162 res2) {
+      const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    barrier.sync([&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
+    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
     timer.mark();
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
@@ -211,16 +215,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
     });
-    barrier.sync([&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
+    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
     timer.mark();
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
-    gemv_row_pairs<S::intermediate>(kDownPairs, sh.x, DownRows<S>{w.w_down}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
-      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(hidden) + p;
-      const float2 res = __bfloat1622float2(__ldcg(h));
-      *h = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
+    const auto hidden_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(hidden) + p); };
+    gemv_row_pairs<S::intermediate>(kDownPairs, sh.x, DownRows<S>{w.w_down}, sh.split_sums, ahead, hidden_pair,
+                                    [&](int p, float d0, float d1, __nv_bfloat162 res2) {
+      const float2 res = __bfloat1622float2(res2);
+      reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    barrier.sync([&] {
+    grid_barrier(barrier, [&] {
       if (l + 1 < S::layers)
         ahead = prefetch_qkv(layers[l + 1]);
       else

@@ -30,36 +30,45 @@ __device__ __forceinline__ void stage_to_shared(const bf16* x, bf16* out) {
 }
 
 // out (shared, bf16 [N]) = weight * bf16(x * rsqrt(mean(x^2) + eps)), Hugging Face's RMSNorm:
-// statistics in fp32, the normalised value rounded to bf16 before the weight multiplies it.
+// statistics in fp32, the normalised value rounded to bf16 before the weight multiplies it. x and
+// the weight are both loaded before the reduction, so the stage pays one load latency, not two.
 template <int N>
 __device__ __forceinline__ void rms_norm_to_shared(const bf16* x, const bf16* weight, float eps, bf16* out,
                                                    float* scratch) {
   static_assert(N % kVecElems == 0, "vector length must be a multiple of 8");
   constexpr int kVecs = N / kVecElems;
+  constexpr int kPerThread = (kVecs + kThreads - 1) / kThreads;
+  uint4 xs[kPerThread], ws[kPerThread];
   float sum_squares = 0.f;
-  for (int i = threadIdx.x; i < kVecs; i += kThreads) {
-    const uint4 v = load_activations16(x + i * kVecElems);
-    reinterpret_cast<uint4*>(out)[i] = v;
-    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(v2[j]);
-      sum_squares = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_squares));
+  for (int k = 0; k < kPerThread; ++k) {
+    const int i = threadIdx.x + k * kThreads;
+    if (i < kVecs) {
+      xs[k] = load_activations16(x + i * kVecElems);
+      ws[k] = __ldg(reinterpret_cast<const uint4*>(weight) + i);
+      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&xs[k]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(v2[j]);
+        sum_squares = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_squares));
+      }
     }
   }
-  const float inv_rms = rsqrtf(block_sum(sum_squares, scratch) / N + eps);  // block_sum also syncs `out`
-  for (int i = threadIdx.x; i < kVecs; i += kThreads) {
-    uint4 v = reinterpret_cast<uint4*>(out)[i];
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(weight) + i);
-    __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(&v);
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+  const float inv_rms = rsqrtf(block_sum(sum_squares, scratch) / N + eps);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(v2[j]);
-      const float2 g = __bfloat1622float2(w2[j]);
-      v2[j] = __floats2bfloat162_rn(g.x * bf16_round(f.x * inv_rms), g.y * bf16_round(f.y * inv_rms));
+  for (int k = 0; k < kPerThread; ++k) {
+    const int i = threadIdx.x + k * kThreads;
+    if (i < kVecs) {
+      __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(&xs[k]);
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&ws[k]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(v2[j]);
+        const float2 g = __bfloat1622float2(w2[j]);
+        v2[j] = __floats2bfloat162_rn(g.x * bf16_round(f.x * inv_rms), g.y * bf16_round(f.y * inv_rms));
+      }
+      reinterpret_cast<uint4*>(out)[i] = xs[k];
     }
-    reinterpret_cast<uint4*>(out)[i] = v;
   }
   __syncthreads();
 }
@@ -152,19 +161,22 @@ __device__ __forceinline__ float2 dot_rows2(const RowPair& pair, const bf16* x, 
 }
 
 // Every warp of the grid takes pairs of rows in turn. rows(p) -> {w0, w1} gives pair p's two rows
-// (each K long); lane 0 of one warp then calls epilogue(p, dot0, dot1). `ahead` is this warp's
-// prefetch_weights for the same GEMV. When warps share a pair (k_split), they are warps of one CTA
-// and add their slices through split_sums (shared, [kWarps]).
-template <int K, class Rows, class Epilogue>
+// (each K long); lane 0 of one warp then calls epilogue(p, dot0, dot1, operand(p)), where
+// operand(p) (e.g. the residual the result adds to) is loaded before the pair's dot product, so its
+// latency runs under the weights'. `ahead` is this warp's prefetch_weights for the same GEMV. When
+// warps share a pair (k_split), they are warps of one CTA and add their slices through split_sums
+// (shared, [kWarps]).
+template <int K, class Rows, class Operand, class Epilogue>
 __device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Rows rows, float2* split_sums,
-                                               const WeightChunk& ahead, Epilogue epilogue) {
+                                               const WeightChunk& ahead, Operand operand, Epilogue epilogue) {
   static_assert(K % kVecElems == 0, "row length must be a multiple of 8");
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const WarpShare share = warp_share<K>(num_pairs);
   if (share.split == 1) {
     for (int p = share.first_pair; p < num_pairs; p += share.pair_stride) {
+      const auto value = operand(p);
       const float2 d = dot_rows2(rows(p), x, lane, share.begin, share.end, ahead, p == share.first_pair);
-      if (lane == 0) epilogue(p, d.x, d.y);
+      if (lane == 0) epilogue(p, d.x, d.y, value);
     }
     return;
   }
@@ -172,18 +184,28 @@ __device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Row
   // p - lead is the CTA's first pair of the round: the loop condition is the same for the whole
   // CTA, so its __syncthreads are reached by every thread.
   for (int p = share.first_pair; p - lead < num_pairs; p += share.pair_stride) {
+    const bool mine = p < num_pairs && warp % share.split == 0;  // this warp finishes pair p
+    const auto value = operand(mine ? p : 0);
     if (p < num_pairs) {
       const float2 d = dot_rows2(rows(p), x, lane, share.begin, share.end, ahead, p == share.first_pair);
       if (lane == 0) split_sums[warp] = d;
     }
     __syncthreads();
-    if (p < num_pairs && warp % share.split == 0 && lane == 0) {
+    if (mine && lane == 0) {
       float2 d = split_sums[warp];
       for (int i = 1; i < share.split; ++i) d.x += split_sums[warp + i].x, d.y += split_sums[warp + i].y;
-      epilogue(p, d.x, d.y);
+      epilogue(p, d.x, d.y, value);
     }
     __syncthreads();  // split_sums is rewritten by the next round
   }
+}
+
+// The same for an epilogue that needs no operand: epilogue(p, dot0, dot1).
+template <int K, class Rows, class Epilogue>
+__device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Rows rows, float2* split_sums,
+                                               const WeightChunk& ahead, Epilogue epilogue) {
+  gemv_row_pairs<K>(num_pairs, x, rows, split_sums, ahead, [](int) { return 0; },
+                    [&](int p, float d0, float d1, int) { epilogue(p, d0, d1); });
 }
 
 }  // namespace megakernel

@@ -109,10 +109,11 @@ class KernelShape:
         merge_slots = WARPS // 2
         attention_floats = (
             group_elems  # q
-            + WARPS * 2 * self.group + merge_slots * group_elems  # warp_max, warp_sum, merge_acc
+            + merge_slots * (group_elems + 2 * self.group)  # merge_max, merge_sum, merge_acc
         )
         attention = FLOAT_BYTES * attention_floats + FLOAT_BYTES  # + is_last_split
-        return max(BF16_BYTES * self.max_input, attention) + SHARED_RESERVED
+        rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
+        return max(BF16_BYTES * self.max_input, attention) + rope + SHARED_RESERVED
 
     @property
     def template_args(self) -> str:
