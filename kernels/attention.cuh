@@ -187,13 +187,10 @@ struct SoftmaxState {
   }
 };
 
-// after_keys() runs once per CTA when its first work item has read its keys (or at once, for a CTA
-// without one): from there on the stage is latency-bound and leaves HBM idle.
-template <class S, class AfterKeys>
+template <class S>
 __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const bf16* q_norm, const bf16* k_norm,
                                 const RopeTable<S>& rope, int pos, int max_seq, float eps, float* partials,
-                                unsigned* split_counters, bf16* attn_out, AttentionShared<S>& sh,
-                                AfterKeys after_keys) {
+                                unsigned* split_counters, bf16* attn_out, AttentionShared<S>& sh) {
   constexpr int G = S::group;
   constexpr int HD = S::head_dim;
   constexpr int kPerLane = HD / kWarpSize;
@@ -215,7 +212,6 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
   const int chunk = (n + splits - 1) / splits;
   splits = (n + chunk - 1) / chunk;  // no empty split
 
-  if (static_cast<int>(blockIdx.x) >= S::kv_heads * splits) after_keys();
   for (int item = blockIdx.x; item < S::kv_heads * splits; item += gridDim.x) {
     const int g = item / splits, split = item % splits;
     const int begin = split * chunk, end = min(n, begin + chunk);
@@ -327,8 +323,6 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     for (int offset = kLanesPerHead / 2; offset > 0; offset /= 2) slot_sum += __shfl_xor_sync(kFullMask, slot_sum, offset);
 #pragma unroll
     for (int h = 0; h < G; ++h) state.sum[h] = __shfl_sync(kFullMask, slot_sum, h * kLanesPerHead);
-
-    if (item == static_cast<int>(blockIdx.x)) after_keys();
 
     // Merge the warps' states pairwise in shared memory; warp 0 ends with the CTA's.
     for (int active = kWarps / 2; active >= 1; active /= 2) {

@@ -122,21 +122,6 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter) {
   grid_wait(counter, grid_arrive(counter));
 }
 
-// Pulls [base, base + bytes) into L2 with bulk prefetches of kL2PrefetchPiece bytes, spread over
-// every thread of the grid (one instruction each). base is 16-byte aligned, bytes a multiple of 16.
-constexpr unsigned kL2PrefetchPiece = 16 * 1024;
-
-__device__ __forceinline__ void prefetch_l2(const void* base, size_t bytes) {
-  const size_t pieces = (bytes + kL2PrefetchPiece - 1) / kL2PrefetchPiece;
-  for (size_t i = blockIdx.x * static_cast<size_t>(kThreads) + threadIdx.x; i < pieces;
-       i += static_cast<size_t>(gridDim.x) * kThreads) {
-    const size_t offset = i * kL2PrefetchPiece;
-    const unsigned size = static_cast<unsigned>(min(static_cast<size_t>(kL2PrefetchPiece), bytes - offset));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(base) + offset), "r"(size)
-                 : "memory");
-  }
-}
-
 __device__ __forceinline__ unsigned long long global_timer_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -148,22 +148,6 @@ struct SharedStorage {
 };
 
 constexpr int kStaticSharedLimit = 48 * 1024;
-constexpr size_t kL2PrefetchBudget = size_t{24} << 20;  // bytes; well under the 50 MB L2 with the KV reads beside
-
-// Attention is latency-bound and leaves HBM idle: pull the weights that come next into L2 - the O
-// projection, then, within kL2PrefetchBudget, the gate and up rows of gate/up's first round.
-template <class S>
-__device__ __forceinline__ void prefetch_during_attention(const LayerWeights& w) {
-  constexpr size_t kRowBytes = sizeof(bf16) * S::hidden, kOBytes = sizeof(bf16) * S::hidden * S::q_dim;
-  prefetch_l2(w.wo, kOBytes);
-  if constexpr (kOBytes < kL2PrefetchBudget) {
-    constexpr size_t kBudgetRows = (kL2PrefetchBudget - kOBytes) / (2 * kRowBytes);
-    const size_t first_round = static_cast<size_t>(gridDim.x) * kWarps;  // gate/up pairs, one per warp
-    const size_t rows = min(min(kBudgetRows, first_round), static_cast<size_t>(S::intermediate));
-    prefetch_l2(w.w_gate, rows * kRowBytes);
-    prefetch_l2(w.w_up, rows * kRowBytes);
-  }
-}
 
 template <class S, bool kTiming>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -211,8 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     timer.mark();
 
     attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, sh.rope, pos, max_seq,
-                       rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention,
-                       [&] { prefetch_during_attention<S>(w); });
+                       rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention);
     grid_barrier(barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
     timer.mark();
 
