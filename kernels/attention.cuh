@@ -355,10 +355,10 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 
     // The CTA that completes KV head g's last split combines all of g's splits.
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      sh.is_last_split = atomicAdd(&split_counters[g], 1u) == static_cast<unsigned>(splits - 1);
-      __threadfence();
+    if (threadIdx.x == 0) {  // acq_rel: our partial is visible before the count, the others' after it
+      unsigned before;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(split_counters + g) : "memory");
+      sh.is_last_split = before == static_cast<unsigned>(splits - 1);
     }
     __syncthreads();
     if (sh.is_last_split) {
