@@ -4,6 +4,7 @@
 // Per layer, five stages separated by grid barriers (every stage needs all of the previous one):
 //   1. RMSNorm (recomputed per CTA into shared memory) + QKV GEMV           -> qkv
 //   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention + combine -> attn_out
+//      (RoPE's cos/sin are computed once per step into shared memory: the same for every layer)
 //   3. O-proj GEMV + residual                                               -> hidden
 //   4. RMSNorm + gate/up GEMV + SiLU * up                                   -> mlp_act
 //   5. down GEMV + residual                                                 -> hidden
@@ -11,7 +12,8 @@
 // CTA to finish reduces them and advances the step state. Position and input token are read from
 // device memory, so one captured CUDA graph of this launch replays for every step.
 // Weights need nothing from the stage before them, so each GEMV's first weight chunk per warp is
-// loaded while its CTA waits at the grid barrier in front of it (prefetch_weights).
+// loaded while its CTA waits at the grid barrier in front of it (prefetch_weights); a residual
+// that an epilogue adds is loaded before the dot product it waits for (gemv_row_pairs' operand).
 #include "attention.cuh"
 #include "common.cuh"
 #include "gemv.cuh"
