@@ -128,15 +128,26 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
   return t;
 }
 
-// Per-stage timestamps, written by CTA 0 after each grid barrier; compiles to nothing when off.
+// Per-stage timestamps, written by CTA 0 after each grid barrier, and every CTA's arrival at each
+// barrier (arrivals[barrier * grid + cta]); compiles to nothing when off. With both, a stage splits
+// into the work until its last CTA arrives, the spread of the arrivals, and the barrier's release
+// (from the last arrival to CTA 0 passing it).
 template <bool kEnabled>
 struct StageTimer {
   unsigned long long* stamps;
+  unsigned long long* arrivals;
   int next = 0;
   __device__ __forceinline__ void mark() {
     if constexpr (kEnabled) {
       if (blockIdx.x == 0 && threadIdx.x == 0) stamps[next] = global_timer_ns();
       ++next;
+    }
+  }
+  // Before the barrier that ends the current stage: this CTA is done with it.
+  __device__ __forceinline__ void arrive() {
+    if constexpr (kEnabled) {
+      __syncthreads();
+      if (threadIdx.x == 0) arrivals[static_cast<size_t>(next - 1) * gridDim.x + blockIdx.x] = global_timer_ns();
     }
   }
 };

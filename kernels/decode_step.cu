@@ -150,6 +150,7 @@ struct SharedStorage {
 };
 
 constexpr int kStaticSharedLimit = 48 * 1024;
+constexpr int kStagesPerLayer = 5;  // each ends at a grid barrier
 
 template <class S, bool kTiming>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -163,7 +164,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kQkvPairs = S::qkv_dim / 2, kOPairs = S::hidden / 2, kDownPairs = S::hidden / 2;
   constexpr int kGateUpPairs = S::intermediate, kLmHeadPairs = (S::vocab + 1) / 2;
   __shared__ SharedStorage<S> sh;
-  StageTimer<kTiming> timer{stage_stamps};
+  // stage_stamps: kStamps stamps of CTA 0, then kBarriers x grid arrivals (see StageTimer)
+  constexpr int kBarriers = kStagesPerLayer * S::layers, kStamps = kBarriers + 2;
+  StageTimer<kTiming> timer{stage_stamps, stage_stamps + kStamps};
   timer.mark();
 
   const int token = __ldcg(state + kStateToken);
@@ -171,6 +174,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
   sh.rope.fill(rope_inv_freq, pos);  // published by layer 0's RMSNorm's __syncthreads
   unsigned* barrier = counters + kCounterBarrier;
+  // A stage ends with every CTA arriving at the grid barrier; `between` runs after this CTA arrives
+  // and before it waits (loads that need nothing from the stage), then CTA 0 stamps the next start.
+  const auto end_stage = [&](auto between) {
+    timer.arrive();
+    grid_barrier(barrier, between);
+    timer.mark();
+  };
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
   const auto prefetch_qkv = [&](const LayerWeights& w) {
@@ -193,13 +203,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
         reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
       });
-    grid_barrier(barrier);
-    timer.mark();
+    end_stage([] {});
 
     attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, sh.rope, pos, max_seq,
                        rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention);
-    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
-    timer.mark();
+    end_stage([&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
     const auto residual_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p); };
@@ -208,8 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
-    timer.mark();
+    end_stage([&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
     gemv_row_pairs<S::hidden>(kGateUpPairs, sh.x, GateUpRows<S>{w}, sh.split_sums, ahead, [&](int i, float gate, float up) {
@@ -217,8 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
     });
-    grid_barrier(barrier, [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
-    timer.mark();
+    end_stage([&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
     const auto hidden_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(hidden) + p); };
@@ -227,13 +233,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    grid_barrier(barrier, [&] {
+    end_stage([&] {
       if (l + 1 < S::layers)
         ahead = prefetch_qkv(layers[l + 1]);
       else
         ahead = prefetch_weights<S::hidden>(kLmHeadPairs, LmHeadRows<S>{lm_head});
     });
-    timer.mark();
   }
 
   // Final norm + LM head; logits rounded to bf16 as the reference's bf16 matmul does, so that the

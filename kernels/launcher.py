@@ -63,13 +63,39 @@ class DecodeCache(Protocol):
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Seconds spent in each stage kind of one step (summed over layers), from in-kernel timestamps."""
+    """Seconds spent in each stage kind of one step (summed over layers), from in-kernel timestamps.
+
+    `seconds` is each stage from CTA 0 passing the barrier before it to CTA 0 passing the one after.
+    The barrier stages (all but the LM head) split further, from every CTA's arrival time: `spread`
+    is from the first CTA's arrival at the closing barrier to the last one's (uneven work, or an
+    SM that the memory system served late), `release` from the last arrival to CTA 0 passing the
+    barrier (its own latency).
+    """
 
     seconds: dict[str, float]
+    spread: dict[str, float]
+    release: dict[str, float]
 
     @property
     def total(self) -> float:
         return sum(self.seconds.values())
+
+    @classmethod
+    def from_stamps(cls, stamps: Sequence[int], arrivals: Sequence[Sequence[int]]) -> StageTimes:
+        """stamps: CTA 0's nanosecond stamps (step start, after each barrier, step end);
+        arrivals[b]: every CTA's arrival at barrier b, which ends stage b."""
+        if len(arrivals) != len(stamps) - 2 or len(arrivals) % len(STAGES_PER_LAYER):
+            raise ValueError(f"{len(stamps)} stamps and {len(arrivals)} barriers do not make whole layers")
+        seconds = dict.fromkeys((*STAGES_PER_LAYER, FINAL_STAGE), 0.0)
+        spread = dict.fromkeys(STAGES_PER_LAYER, 0.0)
+        release = dict.fromkeys(STAGES_PER_LAYER, 0.0)
+        for barrier, arrived in enumerate(arrivals):
+            kind = STAGES_PER_LAYER[barrier % len(STAGES_PER_LAYER)]
+            seconds[kind] += (stamps[barrier + 1] - stamps[barrier]) * 1e-9
+            spread[kind] += (max(arrived) - min(arrived)) * 1e-9
+            release[kind] += (stamps[barrier + 1] - max(arrived)) * 1e-9
+        seconds[FINAL_STAGE] = (stamps[-1] - stamps[-2]) * 1e-9
+        return cls(seconds, spread, release)
 
 
 class DecodeStep:
@@ -118,7 +144,10 @@ class DecodeStep:
         self.attn_partials = torch.empty(partials, dtype=torch.float32, device=dev)
         self.logits = torch.empty(shape.vocab, dtype=torch.float32, device=dev)  # [V], bf16-exact values
         self.argmax_partials = torch.empty(self.grid, dtype=torch.int64, device=dev)
-        self.stage_stamps = torch.zeros(2 + len(STAGES_PER_LAYER) * shape.layers, dtype=torch.int64, device=dev)
+        # CTA 0's stamps, then (timing builds) every CTA's arrival at each barrier: StageTimer in common.cuh
+        self._barriers = len(STAGES_PER_LAYER) * shape.layers
+        arrivals = self._barriers * self.grid if timing else 0
+        self.stage_stamps = torch.zeros(self._barriers + 2 + arrivals, dtype=torch.int64, device=dev)
         self._eps = np.float32(model.config.rms_norm_eps)
 
     def _build_layer_table(self, model: DecodeModel, cache: DecodeCache, slot: int) -> torch.Tensor:
@@ -183,13 +212,10 @@ class DecodeStep:
         """Per-stage time of the last launch (needs timing=True); synchronizes."""
         if not self.timing:
             raise RuntimeError("this DecodeStep was built without timing; pass timing=True")
-        stamps = self.stage_stamps.cpu().tolist()
-        seconds = dict.fromkeys((*STAGES_PER_LAYER, FINAL_STAGE), 0.0)
-        for index in range(len(stamps) - 2):
-            kind = STAGES_PER_LAYER[index % len(STAGES_PER_LAYER)]
-            seconds[kind] += (stamps[index + 1] - stamps[index]) * 1e-9
-        seconds[FINAL_STAGE] = (stamps[-1] - stamps[-2]) * 1e-9
-        return StageTimes(seconds)
+        values = self.stage_stamps.cpu()
+        stamps = values[: self._barriers + 2].tolist()
+        arrivals = values[self._barriers + 2 :].view(self._barriers, self.grid).tolist()
+        return StageTimes.from_stamps(stamps, arrivals)
 
 
 def _address(tensor: torch.Tensor | None) -> int:

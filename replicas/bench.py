@@ -34,7 +34,7 @@ import torch
 
 from megaserve.kernels.barrier_probe import time_grid_barrier
 from megaserve.kernels.build import KernelCache
-from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep
+from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep, StageTimes
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.replicas.models import Model, ModelConfig
 from megaserve.replicas.models.decoder import expected_shapes
@@ -89,6 +89,10 @@ class Result:
     roofline_fraction: float = float("nan")
     stage_ms: dict[str, float] = field(default_factory=dict)
     stage_bytes: dict[str, int] = field(default_factory=dict)  # what each stage must read per step
+    # of each barrier stage: the spread of the CTAs' arrivals at its closing barrier, and the
+    # barrier's release after the last one (kernels.launcher.StageTimes)
+    stage_spread_ms: dict[str, float] = field(default_factory=dict)
+    stage_release_ms: dict[str, float] = field(default_factory=dict)
     timing_cost_ms: float | None = None
     error: str | None = None  # set (and the figures NaN) when this method failed to run
 
@@ -212,8 +216,9 @@ def bench_context(
         return time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay), {}
 
     if "megakernel" in methods:
-        seconds, launches, stage_ms, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
-        extra = {"stage_ms": stage_ms, "stage_bytes": stage_read_bytes(model.config, context + 1),
+        seconds, launches, stages, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
+        extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
+                 "stage_spread_ms": _ms(stages.spread), "stage_release_ms": _ms(stages.release),
                  "timing_cost_ms": timing_cost_ms}
         yield "megakernel", (seconds, launches, extra)
     baselines = {
@@ -229,10 +234,14 @@ def bench_context(
                 yield method, error
 
 
+def _ms(seconds: dict[str, float]) -> dict[str, float]:
+    return {name: value * 1e3 for name, value in seconds.items()}
+
+
 def bench_megakernel(
     model: Model, cache, context: int, kernel_cache: KernelCache
-) -> tuple[float, int, dict[str, float], float]:
-    """(seconds per step, launches per step, per-stage ms, ms/step that the timestamps cost)."""
+) -> tuple[float, int, StageTimes, float]:
+    """(seconds per step, launches per step, per-stage times, ms/step that the timestamps cost)."""
     step = DecodeStep(model, cache, 0, kernel_cache)
     step.set_position(0, context)
     graph = capture(lambda: step.launch(greedy=True))
@@ -245,8 +254,7 @@ def bench_megakernel(
     timed_graph = capture(lambda: timed.launch(greedy=True))
     timed.set_position(0, context)
     timed_seconds = time_steps(timed_graph.replay, TIMED_STEPS)
-    stages = timed.stage_times().seconds  # of the last replay
-    return seconds, launches, {k: v * 1e3 for k, v in stages.items()}, (timed_seconds - seconds) * 1e3
+    return seconds, launches, timed.stage_times(), (timed_seconds - seconds) * 1e3  # stages of the last replay
 
 
 def format_table(results: list[Result], bandwidth: float, barrier_seconds: float) -> str:
@@ -265,6 +273,9 @@ def format_table(results: list[Result], bandwidth: float, barrier_seconds: float
                          f"timing costs {r.timing_cost_ms:+.3f} ms/step:")
             lines.append("  " + ", ".join(_stage_cell(name, ms, r.stage_bytes[name], bandwidth)
                                           for name, ms in r.stage_ms.items()))
+        if r.stage_release_ms:
+            lines.append("  closing barrier, ms (arrival spread + release after the last arrival): " + ", ".join(
+                f"{name} {r.stage_spread_ms[name]:.3f} + {ms:.3f}" for name, ms in r.stage_release_ms.items()))
     return "\n".join(lines)
 
 

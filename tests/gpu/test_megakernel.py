@@ -161,3 +161,9 @@ def test_stage_timestamps(tiny_model_dir, kernel_cache):
     times = step.stage_times()
     assert all(seconds > 0 for seconds in times.seconds.values()), times
     assert times.total < 0.1
+    # The last CTA arrives at a closing barrier after CTA 0 began the stage (CTA 0 arrives too) and
+    # before CTA 0 passes it: release within the stage. An unwritten arrival (zero) would make the
+    # spread as large as the timer's value, far over the step.
+    for kind, spread in times.spread.items():
+        assert 0 <= spread < times.total, (kind, times)
+        assert 0 <= times.release[kind] <= times.seconds[kind], (kind, times)
