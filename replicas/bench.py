@@ -12,8 +12,10 @@ and reports ms/step, tokens/s, kernel launches per step (counted with torch.prof
 fraction of the HBM roofline: (weight bytes + KV bytes read per step) / step time, over the read
 bandwidth measured in the same run with a large reduction. The megakernel's per-stage breakdown
 comes from its in-kernel timestamps (a second build with timing on; its cost is reported too),
-each stage beside the bytes it must read and the fraction of the measured bandwidth it reached;
-the cost of one grid barrier (kernels/barrier_probe.py) is measured in the same run.
+each stage beside the bytes it must read and the fraction of the measured bandwidth it reached,
+and each stage's closing barrier split into the spread of the CTAs' arrivals and the release
+after the last one; the cost of one grid barrier alone (kernels/barrier_probe.py) is measured in
+the same run.
 
 Runs on a bare GPU image: imports only torch, cuda-python and this package's kernels/ and models/.
 """
