@@ -152,6 +152,16 @@ struct SharedStorage {
 constexpr int kStaticSharedLimit = 48 * 1024;
 constexpr int kStagesPerLayer = 5;  // each ends at a grid barrier
 
+// A stage ends with every CTA arriving at the grid barrier; `between` runs after this CTA arrives and
+// before it waits (loads that need nothing from the stage), then CTA 0 stamps the next start. (A
+// function, not a generic lambda in the kernel: NVRTC 13.0 compiles a generic lambda as host code.)
+template <bool kTiming, class Between>
+__device__ __forceinline__ void end_stage(StageTimer<kTiming>& timer, unsigned* barrier, Between between) {
+  timer.arrive();
+  grid_barrier(barrier, between);
+  timer.mark();
+}
+
 template <class S, bool kTiming>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_step(const LayerWeights* __restrict__ layers, const bf16* __restrict__ embed,
@@ -174,13 +184,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
   sh.rope.fill(rope_inv_freq, pos);  // published by layer 0's RMSNorm's __syncthreads
   unsigned* barrier = counters + kCounterBarrier;
-  // A stage ends with every CTA arriving at the grid barrier; `between` runs after this CTA arrives
-  // and before it waits (loads that need nothing from the stage), then CTA 0 stamps the next start.
-  const auto end_stage = [&](auto between) {
-    timer.arrive();
-    grid_barrier(barrier, between);
-    timer.mark();
-  };
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
   const auto prefetch_qkv = [&](const LayerWeights& w) {
@@ -203,11 +206,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
         reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
       });
-    end_stage([] {});
+    end_stage(timer, barrier, [] {});
 
     attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, sh.rope, pos, max_seq,
                        rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention);
-    end_stage([&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
+    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
     const auto residual_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p); };
@@ -216,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    end_stage([&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
+    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
     gemv_row_pairs<S::hidden>(kGateUpPairs, sh.x, GateUpRows<S>{w}, sh.split_sums, ahead, [&](int i, float gate, float up) {
@@ -224,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
     });
-    end_stage([&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
+    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
     const auto hidden_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(hidden) + p); };
@@ -233,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    end_stage([&] {
+    end_stage(timer, barrier, [&] {
       if (l + 1 < S::layers)
         ahead = prefetch_qkv(layers[l + 1]);
       else
