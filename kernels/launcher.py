@@ -12,6 +12,7 @@ This module knows the model only by duck typing (`DecodeModel` below: the attrib
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -66,14 +67,15 @@ class StageTimes:
     """Seconds spent in each stage kind of one step (summed over layers), from in-kernel timestamps.
 
     `seconds` is each stage from CTA 0 passing the barrier before it to CTA 0 passing the one after.
-    The barrier stages (all but the LM head) split further, from every CTA's arrival time: `spread`
-    is from the first CTA's arrival at the closing barrier to the last one's (uneven work, or an
-    SM that the memory system served late), `release` from the last arrival to CTA 0 passing the
-    barrier (its own latency).
+    The barrier stages (all but the LM head) split further, from every CTA's arrival time: `tail`
+    is from the median CTA's arrival at the closing barrier to the last one's (how late the slowest
+    CTAs finish: uneven work, or SMs that the memory system served late; from the median, not the
+    first arrival, because CTAs with no rows in a GEMV arrive at once), `release` from the last
+    arrival to CTA 0 passing the barrier (its own latency).
     """
 
     seconds: dict[str, float]
-    spread: dict[str, float]
+    tail: dict[str, float]
     release: dict[str, float]
 
     @property
@@ -86,16 +88,19 @@ class StageTimes:
         arrivals[b]: every CTA's arrival at barrier b, which ends stage b."""
         if len(arrivals) != len(stamps) - 2 or len(arrivals) % len(STAGES_PER_LAYER):
             raise ValueError(f"{len(stamps)} stamps and {len(arrivals)} barriers do not make whole layers")
+        for barrier, arrived in enumerate(arrivals):
+            if 0 in arrived:  # the buffer is zeroed once; the kernel stamps every arrival of every launch
+                raise ValueError(f"CTA {list(arrived).index(0)} recorded no arrival at barrier {barrier}")
         seconds = dict.fromkeys((*STAGES_PER_LAYER, FINAL_STAGE), 0.0)
-        spread = dict.fromkeys(STAGES_PER_LAYER, 0.0)
+        tail = dict.fromkeys(STAGES_PER_LAYER, 0.0)
         release = dict.fromkeys(STAGES_PER_LAYER, 0.0)
         for barrier, arrived in enumerate(arrivals):
             kind = STAGES_PER_LAYER[barrier % len(STAGES_PER_LAYER)]
             seconds[kind] += (stamps[barrier + 1] - stamps[barrier]) * 1e-9
-            spread[kind] += (max(arrived) - min(arrived)) * 1e-9
+            tail[kind] += (max(arrived) - statistics.median_low(arrived)) * 1e-9
             release[kind] += (stamps[barrier + 1] - max(arrived)) * 1e-9
         seconds[FINAL_STAGE] = (stamps[-1] - stamps[-2]) * 1e-9
-        return cls(seconds, spread, release)
+        return cls(seconds, tail, release)
 
 
 class DecodeStep:

@@ -13,8 +13,8 @@ fraction of the HBM roofline: (weight bytes + KV bytes read per step) / step tim
 bandwidth measured in the same run with a large reduction. The megakernel's per-stage breakdown
 comes from its in-kernel timestamps (a second build with timing on; its cost is reported too),
 each stage beside the bytes it must read and the fraction of the measured bandwidth it reached,
-and each stage's closing barrier split into the spread of the CTAs' arrivals and the release
-after the last one; the cost of one grid barrier alone (kernels/barrier_probe.py) is measured in
+and each stage's closing barrier split into the tail of the CTAs' arrivals (median to last) and
+the release after the last one; the cost of one grid barrier alone (kernels/barrier_probe.py) is measured in
 the same run.
 
 Runs on a bare GPU image: imports only torch, cuda-python and this package's kernels/ and models/.
@@ -91,9 +91,9 @@ class Result:
     roofline_fraction: float = float("nan")
     stage_ms: dict[str, float] = field(default_factory=dict)
     stage_bytes: dict[str, int] = field(default_factory=dict)  # what each stage must read per step
-    # of each barrier stage: the spread of the CTAs' arrivals at its closing barrier, and the
-    # barrier's release after the last one (kernels.launcher.StageTimes)
-    stage_spread_ms: dict[str, float] = field(default_factory=dict)
+    # of each barrier stage: the tail of the CTAs' arrivals at its closing barrier (median to last),
+    # and the barrier's release after the last one (kernels.launcher.StageTimes)
+    stage_tail_ms: dict[str, float] = field(default_factory=dict)
     stage_release_ms: dict[str, float] = field(default_factory=dict)
     timing_cost_ms: float | None = None
     error: str | None = None  # set (and the figures NaN) when this method failed to run
@@ -220,7 +220,7 @@ def bench_context(
     if "megakernel" in methods:
         seconds, launches, stages, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
         extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
-                 "stage_spread_ms": _ms(stages.spread), "stage_release_ms": _ms(stages.release),
+                 "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
                  "timing_cost_ms": timing_cost_ms}
         yield "megakernel", (seconds, launches, extra)
     baselines = {
@@ -276,8 +276,9 @@ def format_table(results: list[Result], bandwidth: float, barrier_seconds: float
             lines.append("  " + ", ".join(_stage_cell(name, ms, r.stage_bytes[name], bandwidth)
                                           for name, ms in r.stage_ms.items()))
         if r.stage_release_ms:
-            lines.append("  closing barrier, ms (arrival spread + release after the last arrival): " + ", ".join(
-                f"{name} {r.stage_spread_ms[name]:.3f} + {ms:.3f}" for name, ms in r.stage_release_ms.items()))
+            lines.append("  closing barrier, ms (arrival tail, median to last + release after the last arrival): "
+                         + ", ".join(f"{name} {r.stage_tail_ms[name]:.3f} + {ms:.3f}"
+                                     for name, ms in r.stage_release_ms.items()))
     return "\n".join(lines)
 
 

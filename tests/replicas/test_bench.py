@@ -36,7 +36,7 @@ def test_the_table_reports_each_stage_s_share_of_the_measured_bandwidth():
     results = [
         Result("Llama-3.2-1B", 1024, "megakernel", 2.0, 500.0, 1, 0.75,
                stage_ms={"qkv": 2.0, "lm_head": 0.5}, stage_bytes=stage_bytes, timing_cost_ms=0.004,
-               stage_spread_ms={"qkv": 0.25}, stage_release_ms={"qkv": 0.125}),
+               stage_tail_ms={"qkv": 0.25}, stage_release_ms={"qkv": 0.125}),
         Result("Llama-3.2-1B", 1024, "compile+graph", error="BackendCompilerFailed: inductor\ndetails"),
     ]
     table = format_table(results, bandwidth, barrier_seconds=1.25e-6)
@@ -45,7 +45,7 @@ def test_the_table_reports_each_stage_s_share_of_the_measured_bandwidth():
     assert "compile+graph  failed: BackendCompilerFailed: inductor" in table and "details" not in table
     assert "timing costs +0.004 ms/step" in table
     assert "qkv 2.000 (4,000.0, 50%), lm_head 0.500 (2,000.0, 100%)" in table
-    assert "closing barrier, ms (arrival spread + release after the last arrival): qkv 0.250 + 0.125" in table
+    assert "closing barrier, ms (arrival tail, median to last + release after the last arrival): qkv 0.250 + 0.125" in table
 
 
 def test_contexts_must_be_positive(capsys):
