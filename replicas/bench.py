@@ -14,8 +14,8 @@ bandwidth measured in the same run with a large reduction. The megakernel's per-
 comes from its in-kernel timestamps (a second build with timing on; its cost is reported too),
 each stage beside the bytes it must read and the fraction of the measured bandwidth it reached,
 and each stage's closing barrier split into the tail of the CTAs' arrivals (median to last) and
-the release after the last one; the cost of one grid barrier alone (kernels/barrier_probe.py) is measured in
-the same run.
+the release after the last one; the cost of one grid barrier alone (kernels/barrier_probe.py) is
+measured in the same run.
 
 Runs on a bare GPU image: imports only torch, cuda-python and this package's kernels/ and models/.
 """
