@@ -88,13 +88,12 @@ class StageTimes:
         arrivals[b]: every CTA's arrival at barrier b, which ends stage b."""
         if len(arrivals) != len(stamps) - 2 or len(arrivals) % len(STAGES_PER_LAYER):
             raise ValueError(f"{len(stamps)} stamps and {len(arrivals)} barriers do not make whole layers")
-        for barrier, arrived in enumerate(arrivals):
-            if 0 in arrived:  # the buffer is zeroed once; the kernel stamps every arrival of every launch
-                raise ValueError(f"CTA {list(arrived).index(0)} recorded no arrival at barrier {barrier}")
         seconds = dict.fromkeys((*STAGES_PER_LAYER, FINAL_STAGE), 0.0)
         tail = dict.fromkeys(STAGES_PER_LAYER, 0.0)
         release = dict.fromkeys(STAGES_PER_LAYER, 0.0)
         for barrier, arrived in enumerate(arrivals):
+            if 0 in arrived:  # the buffer is zeroed once; the kernel stamps every arrival of every launch
+                raise ValueError(f"CTA {list(arrived).index(0)} recorded no arrival at barrier {barrier}")
             kind = STAGES_PER_LAYER[barrier % len(STAGES_PER_LAYER)]
             seconds[kind] += (stamps[barrier + 1] - stamps[barrier]) * 1e-9
             tail[kind] += (max(arrived) - statistics.median_low(arrived)) * 1e-9
