@@ -32,6 +32,21 @@ __device__ __forceinline__ uint4 load_activations16(const bf16* p) {
 
 __device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
+// The four 32-bit words of a 16-byte vector, each two bf16 (element 0 in the low half). Working on
+// words by value, never through a pointer into the vector, keeps the vector in registers: a
+// pointer cast put RMSNorm's vectors on the stack, in local memory (a round trip to L1, or to L2
+// once shared memory takes most of L1).
+__device__ __forceinline__ unsigned word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ float2 bf16x2_to_float2(unsigned w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+__device__ __forceinline__ unsigned float2_to_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return static_cast<unsigned>(__bfloat16_as_ushort(h.x)) | (static_cast<unsigned>(__bfloat16_as_ushort(h.y)) << 16);
+}
+
 // dot of 8 bf16 weights with 8 bf16 activations, fp32 accumulation
 __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
   const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w);

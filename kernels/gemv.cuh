@@ -43,32 +43,29 @@ __device__ __forceinline__ void rms_norm_to_shared(const bf16* x, const bf16* we
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int i = threadIdx.x + k * kThreads;
+    xs[k] = ws[k] = make_uint4(0, 0, 0, 0);
     if (i < kVecs) {
       xs[k] = load_activations16(x + i * kVecElems);
       ws[k] = __ldg(reinterpret_cast<const uint4*>(weight) + i);
-      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&xs[k]);
+    }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(v2[j]);
-        sum_squares = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_squares));
-      }
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = bf16x2_to_float2(word(xs[k], j));
+      sum_squares = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_squares));
     }
   }
   const float inv_rms = rsqrtf(block_sum(sum_squares, scratch) / N + eps);
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int i = threadIdx.x + k * kThreads;
-    if (i < kVecs) {
-      __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(&xs[k]);
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&ws[k]);
+    unsigned normed[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(v2[j]);
-        const float2 g = __bfloat1622float2(w2[j]);
-        v2[j] = __floats2bfloat162_rn(g.x * bf16_round(f.x * inv_rms), g.y * bf16_round(f.y * inv_rms));
-      }
-      reinterpret_cast<uint4*>(out)[i] = xs[k];
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = bf16x2_to_float2(word(xs[k], j));
+      const float2 g = bf16x2_to_float2(word(ws[k], j));
+      normed[j] = float2_to_bf16x2(g.x * bf16_round(f.x * inv_rms), g.y * bf16_round(f.y * inv_rms));
     }
+    if (i < kVecs) reinterpret_cast<uint4*>(out)[i] = make_uint4(normed[0], normed[1], normed[2], normed[3]);
   }
   __syncthreads();
 }
