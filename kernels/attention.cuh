@@ -65,16 +65,6 @@ struct LayerCache {
   bf16* v;
 };
 
-template <class S>
-struct AttentionShared {
-  static constexpr int kMergeSlots = kWarps / 2;
-  float q[S::group][S::head_dim];  // the group's query heads, normed and rotated (bf16-exact values)
-  float merge_max[kMergeSlots][S::group];
-  float merge_sum[kMergeSlots][S::group];
-  float merge_acc[kMergeSlots][S::group][S::head_dim];
-  int is_last_split;
-};
-
 // A lane's slice of a head_dim row: kPerLane consecutive bf16 in one 4-, 8- or 16-byte word.
 template <int kPerLane>
 struct RowSlice;
@@ -187,56 +177,166 @@ struct SoftmaxState {
   }
 };
 
+// How a warp walks its keys: kKeysPerIter keys per iteration (kKvRowBytesPerIter of K rows, and at
+// most one score slot per lane), as kPerLane channels per lane of each K and V row.
+template <class S>
+struct KeyTiling {
+  static constexpr int kPerLane = S::head_dim / kWarpSize;
+  static constexpr int kKeysByBytes = kKvRowBytesPerIter / (S::head_dim * 2);
+  static constexpr int kKeysBySlots = pow2_floor(kWarpSize / S::group);
+  static constexpr int kKeysPerIter = kKeysByBytes < kKeysBySlots ? kKeysByBytes : kKeysBySlots;
+  static constexpr int kMinKeysPerSplit = kWarps * kKeysPerIter;
+  using Raw = typename RowSlice<kPerLane>::Raw;
+};
+
+template <class S>
+struct AttentionShared {
+  static constexpr int kMergeSlots = kWarps / 2;
+  float q[S::group][S::head_dim];  // the group's query heads, normed and rotated (bf16-exact values)
+  union {
+    // Each lane's K slices of its warp's first block of keys, copied while waiting at the barrier
+    // before attention (issue_first_keys); read before the item's first __syncthreads, so the
+    // merge, which comes after it, may reuse the space.
+    typename KeyTiling<S>::Raw first_keys[kWarps][KeyTiling<S>::kKeysPerIter][kWarpSize];
+    struct {
+      float max[kMergeSlots][S::group];
+      float sum[kMergeSlots][S::group];
+      float acc[kMergeSlots][S::group][S::head_dim];
+    } merge;
+  };
+  int is_last_split;
+};
+
+// The step's split of the n = pos + 1 keys: `splits` splits of `chunk` keys per KV head (the last
+// may be shorter, none is empty), as many as the grid holds, at least kMinKeysPerSplit keys each.
+struct KeySplits {
+  int splits, chunk;
+};
+
+template <class S>
+__device__ __forceinline__ KeySplits key_splits(int pos) {
+  const int n = pos + 1;
+  int splits = max(1, min(kMaxSplits, static_cast<int>(gridDim.x) / S::kv_heads));
+  splits = min(splits, (n + KeyTiling<S>::kMinKeysPerSplit - 1) / KeyTiling<S>::kMinKeysPerSplit);
+  const int chunk = (n + splits - 1) / splits;
+  return KeySplits{(n + chunk - 1) / chunk, chunk};
+}
+
+// Work item `item` = (KV head g, split): keys [begin, end) of head g, whose cache rows start at
+// head_offset elements into the layer's K and V.
+struct WorkItem {
+  int g, begin, end;
+  size_t head_offset;
+};
+
+template <class S>
+__device__ __forceinline__ WorkItem work_item(int item, const KeySplits& plan, int pos, int max_seq) {
+  const int g = item / plan.splits, begin = (item % plan.splits) * plan.chunk;
+  return WorkItem{g, begin, min(pos + 1, begin + plan.chunk), static_cast<size_t>(g) * max_seq * S::head_dim};
+}
+
+// One iteration's keys of one warp: the lane's slices of kKeysPerIter K and V rows.
+template <class S>
+struct KeyBlock {
+  typename KeyTiling<S>::Raw k[KeyTiling<S>::kKeysPerIter], v[KeyTiling<S>::kKeysPerIter];
+};
+
+// Which rows of a block load_key_block loads.
+enum class BlockRows { kKeysAndValues, kValuesOnly };
+
+// Keys [t0, t0 + kKeysPerIter) of a KV head, those before `end`: their K and V rows, or V only. Read
+// from L2: the row of the new position is appended earlier in the same launch.
+template <class S, BlockRows kRows = BlockRows::kKeysAndValues>
+__device__ __forceinline__ void load_key_block(const LayerCache& cache, size_t head_offset, int t0, int end, int lane,
+                                               KeyBlock<S>& block) {
+  using T = KeyTiling<S>;
+#pragma unroll
+  for (int u = 0; u < T::kKeysPerIter; ++u) {
+    if (t0 + u < end) {
+      const size_t row = head_offset + static_cast<size_t>(t0 + u) * S::head_dim + lane * T::kPerLane;
+      if constexpr (kRows == BlockRows::kKeysAndValues) block.k[u] = load_slice<T::kPerLane>(cache.k + row);
+      block.v[u] = load_slice<T::kPerLane>(cache.v + row);
+    }
+  }
+}
+
+// sizeof(Raw) bytes (4, 8 or 16) from global to shared memory without passing through registers,
+// through L2 like the other cache reads; complete for this thread after wait_async_copies.
+template <class Raw>
+__device__ __forceinline__ void copy_async(Raw* dst, const Raw* src) {
+  static_assert(sizeof(Raw) == 4 || sizeof(Raw) == 8 || sizeof(Raw) == 16, "cp.async copies 4, 8 or 16 bytes");
+  const unsigned dst_shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst_shared), "l"(src), "n"(sizeof(Raw)) : "memory");
+}
+
+__device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// The K rows of this warp's first block of keys of its CTA's first work item, copied into
+// sh.first_keys while the CTA waits at the grid barrier before attention: keys before the new
+// position were written by earlier steps, so their HBM latency runs under the barrier (the block
+// with the new position is loaded again once it is appended). Asynchronous copies, not loads: a
+// block held in registers across the barrier spilled on 8B. Only K: V is needed only after the
+// scores, so its loads issued at the start of the stage land in time. sh.first_keys shares the
+// union with the GEMV input, which the CTA is done with once it arrives at the barrier.
+template <class S>
+__device__ __forceinline__ void issue_first_keys(const LayerCache& cache, int pos, int max_seq, AttentionShared<S>& sh) {
+  using T = KeyTiling<S>;
+  const KeySplits plan = key_splits<S>(pos);
+  const int item = blockIdx.x, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  if (item >= S::kv_heads * plan.splits) return;
+  const WorkItem work = work_item<S>(item, plan, pos, max_seq);
+  const int first_key = work.begin + warp * T::kKeysPerIter;
+  using Raw = typename T::Raw;
+#pragma unroll
+  for (int u = 0; u < T::kKeysPerIter; ++u) {
+    if (first_key + u < work.end) {
+      const size_t row = work.head_offset + static_cast<size_t>(first_key + u) * S::head_dim + lane * T::kPerLane;
+      copy_async(&sh.first_keys[warp][u][lane], reinterpret_cast<const Raw*>(cache.k + row));
+    }
+  }
+}
+
+// For its first item, the CTA's issue_first_keys ran before the stage.
 template <class S>
 __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const bf16* q_norm, const bf16* k_norm,
                                 const RopeTable<S>& rope, int pos, int max_seq, float eps, float* partials,
                                 unsigned* split_counters, bf16* attn_out, AttentionShared<S>& sh) {
+  using T = KeyTiling<S>;
   constexpr int G = S::group;
   constexpr int HD = S::head_dim;
-  constexpr int kPerLane = HD / kWarpSize;
+  constexpr int kPerLane = T::kPerLane;
   static_assert(G <= kWarpSize, "at most 32 query heads per KV head");
-  // Keys per warp and iteration: kKvRowBytesPerIter of K rows, and at most one slot per lane.
-  constexpr int kKeysByBytes = kKvRowBytesPerIter / (HD * 2), kKeysBySlots = pow2_floor(kWarpSize / G);
-  constexpr int kKeysPerIter = kKeysByBytes < kKeysBySlots ? kKeysByBytes : kKeysBySlots;
+  constexpr int kKeysPerIter = T::kKeysPerIter;
   constexpr int kSlots = pow2_ceil(G * kKeysPerIter);  // (head, key) scores of one iteration, padded
   constexpr int kLanesPerSlot = kWarpSize / kSlots;
   constexpr int kLanesPerHead = kKeysPerIter * kLanesPerSlot;
-  constexpr int kMinKeysPerSplit = kWarps * kKeysPerIter;
   constexpr int kPartialStride = HD + 2;  // acc[HD], max, sum
   const float score_scale = rsqrtf(static_cast<float>(HD)) * kLog2e;  // softmax in base 2
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
   const int n = pos + 1;  // keys, the new one included
-  int splits = max(1, min(kMaxSplits, static_cast<int>(gridDim.x) / S::kv_heads));
-  splits = min(splits, (n + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
-  const int chunk = (n + splits - 1) / splits;
-  splits = (n + chunk - 1) / chunk;  // no empty split
+  const KeySplits plan = key_splits<S>(pos);
+  const int splits = plan.splits;
 
   for (int item = blockIdx.x; item < S::kv_heads * splits; item += gridDim.x) {
-    const int g = item / splits, split = item % splits;
-    const int begin = split * chunk, end = min(n, begin + chunk);
-    const size_t head_offset = static_cast<size_t>(g) * max_seq * HD;
+    const WorkItem work = work_item<S>(item, plan, pos, max_seq);
+    const int g = work.g, split = item % splits, begin = work.begin, end = work.end;
+    const size_t head_offset = work.head_offset;
 
-    // The warp's first block of keys is loaded before the query heads are prepared, so its HBM
-    // latency runs under theirs; a block that holds the new position is loaded again once the
-    // append below has written it.
-    using Raw = typename RowSlice<kPerLane>::Raw;
-    struct KvBlock {
-      Raw k[kKeysPerIter], v[kKeysPerIter];
-    };
-    const auto load_block = [&](int t0, KvBlock& block) {
-#pragma unroll
-      for (int u = 0; u < kKeysPerIter; ++u) {
-        if (t0 + u < end) {
-          const size_t row = head_offset + static_cast<size_t>(t0 + u) * HD + lane * kPerLane;
-          block.k[u] = load_slice<kPerLane>(cache.k + row);
-          block.v[u] = load_slice<kPerLane>(cache.v + row);
-        }
-      }
-    };
+    // The warp's first block of keys is in flight before the query heads are prepared (for the
+    // CTA's first item since before the stage), so its HBM latency runs under theirs; a block that
+    // holds the new position is loaded again once the append below has written it.
+    const auto load_block = [&](int t0, KeyBlock<S>& block) { load_key_block<S>(cache, head_offset, t0, end, lane, block); };
     const int first_key = begin + warp * kKeysPerIter;
-    KvBlock current = {}, next = {};
-    if (first_key < end) load_block(first_key, current);
+    KeyBlock<S> current = {}, next = {};
+    if (item == static_cast<int>(blockIdx.x)) {
+      if (first_key < end) load_key_block<S, BlockRows::kValuesOnly>(cache, head_offset, first_key, end, lane, current);
+      wait_async_copies();  // this lane's own copies: no CTA barrier needed to read them
+#pragma unroll
+      for (int u = 0; u < kKeysPerIter; ++u) if (first_key + u < end) current.k[u] = sh.first_keys[warp][u][lane];
+    } else if (first_key < end) {
+      load_block(first_key, current);
+    }
 
     for (int h = warp; h < G; h += kWarps) {
       float x[kPerLane];
@@ -330,16 +430,16 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
         const int slot = warp - active;
 #pragma unroll
         for (int h = 0; h < G; ++h) {
-          if (lane == 0) sh.merge_max[slot][h] = state.max[h], sh.merge_sum[slot][h] = state.sum[h];
+          if (lane == 0) sh.merge.max[slot][h] = state.max[h], sh.merge.sum[slot][h] = state.sum[h];
 #pragma unroll
-          for (int j = 0; j < kPerLane; ++j) sh.merge_acc[slot][h][lane * kPerLane + j] = state.acc[h][j];
+          for (int j = 0; j < kPerLane; ++j) sh.merge.acc[slot][h][lane * kPerLane + j] = state.acc[h][j];
         }
       }
       __syncthreads();
       if (warp < active) {
 #pragma unroll
         for (int h = 0; h < G; ++h)
-          state.merge(h, sh.merge_max[warp][h], sh.merge_sum[warp][h], &sh.merge_acc[warp][h][lane * kPerLane]);
+          state.merge(h, sh.merge.max[warp][h], sh.merge.sum[warp][h], &sh.merge.acc[warp][h][lane * kPerLane]);
       }
       __syncthreads();
     }

@@ -206,10 +206,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
         reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
       });
-    end_stage(timer, barrier, [] {});
+    const LayerCache cache{w.k_cache, w.v_cache};
+    end_stage(timer, barrier, [&] { issue_first_keys<S>(cache, pos, max_seq, sh.attention); });
 
-    attention_stage<S>(qkv, LayerCache{w.k_cache, w.v_cache}, w.q_norm, w.k_norm, sh.rope, pos, max_seq,
-                       rms_eps, attn_partials, counters + kCounterSplits, attn_out, sh.attention);
+    attention_stage<S>(qkv, cache, w.q_norm, w.k_norm, sh.rope, pos, max_seq, rms_eps, attn_partials,
+                       counters + kCounterSplits, attn_out, sh.attention);
     end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);

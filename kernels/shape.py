@@ -13,9 +13,11 @@ from typing import Protocol
 
 # Limits of decode_step.cu (keep in step with its constants).
 THREADS = 512  # kThreads
-WARPS = THREADS // 32
+WARP_SIZE = 32
+WARPS = THREADS // WARP_SIZE
 VEC_ELEMS = 8  # bf16 per 16-byte load
 MAX_SPLITS = 64  # kMaxSplits of attention.cuh
+KV_ROW_BYTES_PER_ITER = 1024  # kKvRowBytesPerIter of attention.cuh
 HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
 STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
 SHARED_RESERVED = WARPS * (4 + 8 + 8) + 16  # the reduce, best and split_sums arrays beside the union, and alignment
@@ -40,6 +42,11 @@ class ShapedConfig(Protocol):
     vocab_size: int
     num_layers: int
     qk_norm: bool
+
+
+def _pow2_floor(n: int) -> int:
+    """The largest power of 2 <= n (attention.cuh's pow2_floor)."""
+    return 1 << (n.bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -106,12 +113,10 @@ class KernelShape:
     def shared_bytes(self) -> int:
         """SharedStorage<S> of decode_step.cu: max(GEMV input, attention buffers) + reductions."""
         group_elems = self.group * self.head_dim
-        merge_slots = WARPS // 2
-        attention_floats = (
-            group_elems  # q
-            + merge_slots * (group_elems + 2 * self.group)  # merge_max, merge_sum, merge_acc
-        )
-        attention = FLOAT_BYTES * attention_floats + FLOAT_BYTES  # + is_last_split
+        merge = FLOAT_BYTES * (WARPS // 2) * (group_elems + 2 * self.group)  # merge max, sum, acc
+        keys_per_iter = min(KV_ROW_BYTES_PER_ITER // (BF16_BYTES * self.head_dim), _pow2_floor(WARP_SIZE // self.group))
+        first_keys = WARPS * keys_per_iter * BF16_BYTES * self.head_dim  # every lane's K slices of one block per warp
+        attention = FLOAT_BYTES * group_elems + max(merge, first_keys) + FLOAT_BYTES  # q, union, is_last_split
         rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
         return max(BF16_BYTES * self.max_input, attention) + rope + SHARED_RESERVED
 
