@@ -31,6 +31,7 @@ SOURCE_SUFFIXES = (".cu", ".cuh")
 CXX_STANDARD = "c++17"
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
 PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
 PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -86,12 +87,14 @@ def source_files() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ResourceUsage:
-    """What ptxas reports for one kernel: registers per thread, stack frame and spills (bytes)."""
+    """What ptxas reports for one kernel: registers per thread, stack frame, spills and static shared
+    memory per CTA (bytes)."""
 
     registers: int
     stack_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
+    shared_bytes: int
 
 
 def resource_usage(shape: KernelShape, arch: str, timing: bool = False) -> ResourceUsage:
@@ -103,11 +106,12 @@ def resource_usage(shape: KernelShape, arch: str, timing: bool = False) -> Resou
         program.compile("cubin", name_expressions=(shape.kernel_name(timing),), logs=log)
     finally:
         program.close()
-    registers, frame = PTXAS_REGISTERS.search(log.getvalue()), PTXAS_FRAME.search(log.getvalue())
-    if registers is None or frame is None:
-        raise KernelBuildError(f"ptxas printed no resource usage for {shape.kernel_name(timing)}:\n{log.getvalue()}")
+    report = log.getvalue()
+    registers, frame, shared = (pattern.search(report) for pattern in (PTXAS_REGISTERS, PTXAS_FRAME, PTXAS_SHARED))
+    if registers is None or frame is None or shared is None:
+        raise KernelBuildError(f"ptxas printed no resource usage for {shape.kernel_name(timing)}:\n{report}")
     stack, stores, loads = (int(group) for group in frame.groups())
-    return ResourceUsage(int(registers.group(1)), stack, stores, loads)
+    return ResourceUsage(int(registers.group(1)), stack, stores, loads, int(shared.group(1)))
 
 
 def _options(arch: str, ptxas_verbose: bool = False) -> ProgramOptions:

@@ -18,6 +18,7 @@ BLACKWELL = ("sm_100a", "sm_103a")
 TINY = KernelShape(hidden=256, heads=8, kv_heads=1, head_dim=128, intermediate=768, vocab=512, layers=2, qk_norm=True)
 CUBIN_MAGIC = b"\x7fELF"
 REGISTERS_PER_SM = 65536  # Hopper and Blackwell
+SHARED_ALIGNMENT_SLACK = 16  # shape.py's SHARED_RESERVED allows for 16 bytes of padding
 
 
 def bench_shapes() -> dict[str, KernelShape]:
@@ -43,6 +44,14 @@ def test_bench_shapes_do_not_spill(name):
     usage = resource_usage(bench_shapes()[name], HOPPER)
     assert usage.spill_store_bytes == usage.spill_load_bytes == 0
     assert 0 < usage.registers <= REGISTERS_PER_SM // THREADS
+
+
+@pytest.mark.parametrize("shape", [*bench_shapes().values(), TINY], ids=[*bench_shapes(), "tiny-group-8"])
+def test_shape_estimates_the_static_shared_memory(shape):
+    """KernelShape.shared_bytes decides which shapes the kernel accepts (the 48 KB static limit), so it
+    must not undercount what the compiled kernel uses, and it overcounts by alignment at most."""
+    compiled = resource_usage(shape, HOPPER).shared_bytes
+    assert compiled <= shape.shared_bytes <= compiled + SHARED_ALIGNMENT_SLACK
 
 
 def test_the_barrier_probe_compiles_for_hopper(shared_cache):
