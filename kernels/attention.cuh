@@ -5,7 +5,9 @@
 // shared memory and writes one partial (acc[head_dim], max, sum) per query head; the CTA that
 // finishes a KV head's last split (a counter per KV head) combines all its splits into attn_out.
 // The CTA whose split holds the new position also RMS-norms (Qwen3), rotates and appends the new
-// key and value to the cache first; no CTA reads that position from the cache before then.
+// key and value to the cache first; no CTA reads that position from the cache before then (each
+// warp's first keys, copied while its CTA waited at the barrier before the stage, are loaded again
+// if they include it).
 #pragma once
 #include "common.cuh"
 
