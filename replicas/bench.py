@@ -11,11 +11,11 @@ each context length, one run measures:
 and reports ms/step, tokens/s, kernel launches per step (counted with torch.profiler) and the
 fraction of the HBM roofline: (weight bytes + KV bytes read per step) / step time, over the read
 bandwidth measured in the same run with a large reduction. The megakernel's per-stage breakdown
-comes from its in-kernel timestamps (a second build with timing on; its cost is reported too),
-each stage beside the bytes it must read and the fraction of the measured bandwidth it reached,
-and each stage's closing barrier split into the tail of the CTAs' arrivals (median to last) and
-the release after the last one; the cost of one grid barrier alone (kernels/barrier_probe.py) is
-measured in the same run.
+comes from its in-kernel timestamps (a second build with timing on; its cost is reported too), a
+Markdown table per model and context: each stage beside the bytes it must read, the bandwidth it
+reached and its time over the floor (bytes / measured bandwidth), and its closing barrier split
+into the tail of the CTAs' arrivals (median to last) and the release after the last one; the cost
+of one grid barrier alone (kernels/barrier_probe.py) is measured in the same run.
 
 Runs on a bare GPU image: imports only torch, cuda-python and this package's kernels/ and models/.
 """
@@ -271,20 +271,27 @@ def format_table(results: list[Result], bandwidth: float, barrier_seconds: float
                      f"{r.launches_per_step:>8} {100 * r.roofline_fraction:>7.1f}%")
     for r in results:
         if r.stage_ms:
-            lines.append(f"stages {r.model} ctx={r.context}, ms (MB to read, % of the measured bandwidth); "
-                         f"timing costs {r.timing_cost_ms:+.3f} ms/step:")
-            lines.append("  " + ", ".join(_stage_cell(name, ms, r.stage_bytes[name], bandwidth)
-                                          for name, ms in r.stage_ms.items()))
-        if r.stage_release_ms:
-            lines.append("  closing barrier, ms (arrival tail, median to last + release after the last arrival): "
-                         + ", ".join(f"{name} {r.stage_tail_ms[name]:.3f} + {ms:.3f}"
-                                     for name, ms in r.stage_release_ms.items()))
+            lines += _stage_table(r, bandwidth)
     return "\n".join(lines)
 
 
-def _stage_cell(name: str, ms: float, read_bytes: int, bandwidth: float) -> str:
-    reached = f"{100 * read_bytes / (ms * 1e-3) / bandwidth:.0f}%" if ms > 0 else "n/a"
-    return f"{name} {ms:.3f} ({read_bytes / 1e6:,.1f}, {reached})"
+def _stage_table(r: Result, bandwidth: float) -> list[str]:
+    """Where one step's time goes, as a Markdown table: per stage (each with its closing barrier) the
+    bytes it must read, its time, the bandwidth that makes, and its time over the floor (bytes /
+    measured bandwidth); then the closing barrier's arrival tail (median CTA to last) and release
+    (last arrival to the next stage's start)."""
+    lines = [f"stages {r.model} ctx={r.context} (timing build, which costs {r.timing_cost_ms:+.3f} ms/step):",
+             "| stage | MB read | ms | GB/s | % of bandwidth | ms over floor | arrival tail ms | release ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, ms in r.stage_ms.items():
+        read_bytes = r.stage_bytes[name]
+        achieved = read_bytes / (ms * 1e-3) if ms > 0 else 0.0
+        rate = f"{achieved / 1e9:,.0f} | {100 * achieved / bandwidth:.0f}%" if ms > 0 else "n/a | n/a"
+        over_floor = ms - read_bytes / bandwidth * 1e3
+        tail, release = r.stage_tail_ms.get(name), r.stage_release_ms.get(name)
+        barrier = f"{tail:.3f} | {release:.3f}" if tail is not None and release is not None else " | "
+        lines.append(f"| {name} | {read_bytes / 1e6:,.1f} | {ms:.3f} | {rate} | {over_floor:+.3f} | {barrier} |")
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -43,9 +43,9 @@ def test_the_table_reports_each_stage_s_share_of_the_measured_bandwidth():
     assert "HBM read bandwidth (reduction): 4,000 GB/s; one grid barrier: 1.25 µs" in table
     assert "megakernel        2.000      500        1    75.0%" in table
     assert "compile+graph  failed: BackendCompilerFailed: inductor" in table and "details" not in table
-    assert "timing costs +0.004 ms/step" in table
-    assert "qkv 2.000 (4,000.0, 50%), lm_head 0.500 (2,000.0, 100%)" in table
-    assert "closing barrier, ms (arrival tail, median to last + release after the last arrival): qkv 0.250 + 0.125" in table
+    assert "stages Llama-3.2-1B ctx=1024 (timing build, which costs +0.004 ms/step):" in table
+    assert "| qkv | 4,000.0 | 2.000 | 2,000 | 50% | +1.000 | 0.250 | 0.125 |" in table
+    assert "| lm_head | 2,000.0 | 0.500 | 4,000 | 100% | +0.000 |  |  |" in table  # no barrier closes the head
 
 
 def test_contexts_must_be_positive(capsys):
