@@ -227,14 +227,20 @@ __device__ __forceinline__ KeySplits key_splits(int pos) {
 // Work item `item` = (KV head g, split): keys [begin, end) of head g, whose cache rows start at
 // head_offset elements into the layer's K and V.
 struct WorkItem {
-  int g, begin, end;
+  int g, split, begin, end;
   size_t head_offset;
 };
 
 template <class S>
 __device__ __forceinline__ WorkItem work_item(int item, const KeySplits& plan, int pos, int max_seq) {
-  const int g = item / plan.splits, begin = (item % plan.splits) * plan.chunk;
-  return WorkItem{g, begin, min(pos + 1, begin + plan.chunk), static_cast<size_t>(g) * max_seq * S::head_dim};
+  const int g = item / plan.splits, split = item % plan.splits, begin = split * plan.chunk;
+  return WorkItem{g, split, begin, min(pos + 1, begin + plan.chunk), static_cast<size_t>(g) * max_seq * S::head_dim};
+}
+
+// Where a lane's slice of key t's K (or V) row starts, in elements of the layer's cache.
+template <class S>
+__device__ __forceinline__ size_t key_slice(size_t head_offset, int t, int lane) {
+  return head_offset + static_cast<size_t>(t) * S::head_dim + lane * KeyTiling<S>::kPerLane;
 }
 
 // One iteration's keys of one warp: the lane's slices of kKeysPerIter K and V rows.
@@ -255,15 +261,17 @@ __device__ __forceinline__ void load_key_block(const LayerCache& cache, size_t h
 #pragma unroll
   for (int u = 0; u < T::kKeysPerIter; ++u) {
     if (t0 + u < end) {
-      const size_t row = head_offset + static_cast<size_t>(t0 + u) * S::head_dim + lane * T::kPerLane;
+      const size_t row = key_slice<S>(head_offset, t0 + u, lane);
       if constexpr (kRows == BlockRows::kKeysAndValues) block.k[u] = load_slice<T::kPerLane>(cache.k + row);
       block.v[u] = load_slice<T::kPerLane>(cache.v + row);
     }
   }
 }
 
-// sizeof(Raw) bytes (4, 8 or 16) from global to shared memory without passing through registers,
-// through L2 like the other cache reads; complete for this thread after wait_async_copies.
+// sizeof(Raw) bytes (4, 8 or 16) from global to shared memory without passing through registers
+// (cp.async.ca: .cg, which skips L1, copies only 16 bytes; no line these copies cache is written
+// in the launch except the new position's, which is loaded again from L2); complete for this
+// thread after wait_async_copies.
 template <class Raw>
 __device__ __forceinline__ void copy_async(Raw* dst, const Raw* src) {
   static_assert(sizeof(Raw) == 4 || sizeof(Raw) == 8 || sizeof(Raw) == 16, "cp.async copies 4, 8 or 16 bytes");
@@ -292,8 +300,8 @@ __device__ __forceinline__ void issue_first_keys(const LayerCache& cache, int po
 #pragma unroll
   for (int u = 0; u < T::kKeysPerIter; ++u) {
     if (first_key + u < work.end) {
-      const size_t row = work.head_offset + static_cast<size_t>(first_key + u) * S::head_dim + lane * T::kPerLane;
-      copy_async(&sh.first_keys[warp][u][lane], reinterpret_cast<const Raw*>(cache.k + row));
+      copy_async(&sh.first_keys[warp][u][lane],
+                 reinterpret_cast<const Raw*>(cache.k + key_slice<S>(work.head_offset, first_key + u, lane)));
     }
   }
 }
@@ -322,7 +330,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 
   for (int item = blockIdx.x; item < S::kv_heads * splits; item += gridDim.x) {
     const WorkItem work = work_item<S>(item, plan, pos, max_seq);
-    const int g = work.g, split = item % splits, begin = work.begin, end = work.end;
+    const int g = work.g, split = work.split, begin = work.begin, end = work.end;
     const size_t head_offset = work.head_offset;
 
     // The warp's first block of keys is in flight before the query heads are prepared (for the
