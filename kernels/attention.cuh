@@ -5,9 +5,9 @@
 // shared memory and writes one partial (acc[head_dim], max, sum) per query head; the CTA that
 // finishes a KV head's last split (a counter per KV head) combines all its splits into attn_out.
 // The CTA whose split holds the new position also RMS-norms (Qwen3), rotates and appends the new
-// key and value to the cache first; no CTA reads that position from the cache before then (each
-// warp's first keys, copied while its CTA waited at the barrier before the stage, are loaded again
-// if they include it).
+// key and value to the cache first, with a warp that prepares no query head (or the fewest); the
+// warp whose first block of keys holds the position takes its row from shared memory, and no warp
+// reads that position from the cache before the append.
 #pragma once
 #include "common.cuh"
 
@@ -67,20 +67,29 @@ struct LayerCache {
   bf16* v;
 };
 
-// A lane's slice of a head_dim row: kPerLane consecutive bf16 in one 4-, 8- or 16-byte word.
+// A lane's slice of a head_dim row: kPerLane consecutive bf16 in one 4-, 8- or 16-byte word;
+// pack rounds kPerLane floats to it (round to nearest even, as the reference's casts).
 template <int kPerLane>
 struct RowSlice;
 template <>
 struct RowSlice<2> {
   using Raw = unsigned;
+  static __device__ __forceinline__ Raw pack(const float* x) { return float2_to_bf16x2(x[0], x[1]); }
 };
 template <>
 struct RowSlice<4> {
   using Raw = uint2;
+  static __device__ __forceinline__ Raw pack(const float* x) {
+    return make_uint2(float2_to_bf16x2(x[0], x[1]), float2_to_bf16x2(x[2], x[3]));
+  }
 };
 template <>
 struct RowSlice<8> {
   using Raw = uint4;
+  static __device__ __forceinline__ Raw pack(const float* x) {
+    return make_uint4(float2_to_bf16x2(x[0], x[1]), float2_to_bf16x2(x[2], x[3]), float2_to_bf16x2(x[4], x[5]),
+                      float2_to_bf16x2(x[6], x[7]));
+  }
 };
 
 // Read from L2: the cache row may have been appended earlier in this launch.
@@ -206,6 +215,9 @@ struct AttentionShared {
       float acc[kMergeSlots][S::group][S::head_dim];
     } merge;
   };
+  // The new position's K and V row, as each lane's slice: the warp whose first block of keys holds
+  // the position takes them from here instead of loading the row again after it is appended.
+  typename KeyTiling<S>::Raw new_key[kWarpSize], new_value[kWarpSize];
   int is_last_split;
 };
 
@@ -270,8 +282,8 @@ __device__ __forceinline__ void load_key_block(const LayerCache& cache, size_t h
 
 // sizeof(Raw) bytes (4, 8 or 16) from global to shared memory without passing through registers
 // (cp.async.ca: .cg, which skips L1, copies only 16 bytes; no line these copies cache is written
-// in the launch except the new position's, which is loaded again from L2); complete for this
-// thread after wait_async_copies.
+// in the launch except the new position's, whose copied row is replaced by the appended one);
+// complete for this thread after wait_async_copies.
 template <class Raw>
 __device__ __forceinline__ void copy_async(Raw* dst, const Raw* src) {
   static_assert(sizeof(Raw) == 4 || sizeof(Raw) == 8 || sizeof(Raw) == 16, "cp.async copies 4, 8 or 16 bytes");
@@ -283,8 +295,8 @@ __device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wai
 
 // The K rows of this warp's first block of keys of its CTA's first work item, copied into
 // sh.first_keys while the CTA waits at the grid barrier before attention: keys before the new
-// position were written by earlier steps, so their HBM latency runs under the barrier (the block
-// with the new position is loaded again once it is appended). Asynchronous copies, not loads: a
+// position were written by earlier steps, so their HBM latency runs under the barrier (the new
+// position's row is replaced by the appended one). Asynchronous copies, not loads: a
 // block held in registers across the barrier spilled on 8B. Only K: V is needed only after the
 // scores, so its loads issued at the start of the stage land in time. sh.first_keys shares the
 // union with the GEMV input, which the CTA is done with once it arrives at the barrier.
@@ -321,6 +333,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
   constexpr int kLanesPerSlot = kWarpSize / kSlots;
   constexpr int kLanesPerHead = kKeysPerIter * kLanesPerSlot;
   constexpr int kPartialStride = HD + 2;  // acc[HD], max, sum
+  constexpr int kAppendWarp = kWarps - 1;  // prepares query heads only when G >= kWarps
   const float score_scale = rsqrtf(static_cast<float>(HD)) * kLog2e;  // softmax in base 2
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
@@ -334,8 +347,8 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     const size_t head_offset = work.head_offset;
 
     // The warp's first block of keys is in flight before the query heads are prepared (for the
-    // CTA's first item since before the stage), so its HBM latency runs under theirs; a block that
-    // holds the new position is loaded again once the append below has written it.
+    // CTA's first item since before the stage), so its HBM latency runs under theirs; in a block
+    // that holds the new position, that row is replaced by the appended one below.
     const auto load_block = [&](int t0, KeyBlock<S>& block) { load_key_block<S>(cache, head_offset, t0, end, lane, block); };
     const int first_key = begin + warp * kKeysPerIter;
     KeyBlock<S> current = {}, next = {};
@@ -354,20 +367,24 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) sh.q[h][lane * kPerLane + j] = x[j];
     }
-    if (end == n && warp == 0) {  // this split owns the new position: append its key and value
+    if (end == n && warp == kAppendWarp) {  // this split owns the new position: append its key and value
+      using Raw = typename T::Raw;
+      // The value's load is issued with the key's: one L2 round trip for both.
+      const Raw value = load_slice<kPerLane>(qkv + S::q_dim + S::kv_dim + g * HD + lane * kPerLane);
       float k[kPerLane];
       prepare_head<S>(qkv + S::q_dim + g * HD, k_norm, rope, eps, lane, k);
-      bf16* k_dst = cache.k + head_offset + static_cast<size_t>(pos) * HD + lane * kPerLane;
-      bf16* v_dst = cache.v + head_offset + static_cast<size_t>(pos) * HD + lane * kPerLane;
-      const bf16* v_src = qkv + S::q_dim + S::kv_dim + g * HD + lane * kPerLane;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        k_dst[j] = __float2bfloat16(k[j]);
-        v_dst[j] = __ldcg(v_src + j);
-      }
+      const Raw key = RowSlice<kPerLane>::pack(k);
+      const size_t row = key_slice<S>(head_offset, pos, lane);
+      *reinterpret_cast<Raw*>(cache.k + row) = key;
+      *reinterpret_cast<Raw*>(cache.v + row) = value;
+      sh.new_key[lane] = key, sh.new_value[lane] = value;
     }
     __syncthreads();
-    if (end == n && first_key < end && end <= first_key + kKeysPerIter) load_block(first_key, current);
+    if (end == n && first_key < end && end <= first_key + kKeysPerIter) {
+#pragma unroll
+      for (int u = 0; u < kKeysPerIter; ++u)
+        if (first_key + u == pos) current.k[u] = sh.new_key[lane], current.v[u] = sh.new_value[lane];
+    }
 
     float q[G][kPerLane];
 #pragma unroll
