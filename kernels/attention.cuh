@@ -16,6 +16,10 @@ namespace megakernel {
 constexpr int kMaxSplits = 64;       // partial results per query head
 constexpr int kCombineChunk = 16;    // splits whose partials one combine thread loads at once
 constexpr int kKvRowBytesPerIter = 1024;  // bytes of one warp's K (and as many of V) loads per iteration
+// Shared memory for the warps' accumulators in one round of the CTA merge: 32 KB holds all 16
+// warps' at group 4 x head_dim 128 and leaves room in the 48 KB of static shared memory for q,
+// the new row, the RoPE table and the reductions; larger groups merge in more rounds.
+constexpr int kMergeAccBytes = 32 * 1024;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -cuda::std::numeric_limits<float>::infinity();
 
@@ -159,6 +163,28 @@ __device__ __forceinline__ void prepare_head(const bf16* raw, const bf16* norm_w
   }
 }
 
+// Online softmax of one output channel over states (max m, sum l, channel value a), folded a chunk
+// at a time: a chunk's loads are all issued before the first use, so it costs one round trip.
+struct ChannelSoftmax {
+  float max = kNegInf, sum = 0.f, acc = 0.f;
+
+  template <int kCount>
+  __device__ __forceinline__ void fold(const float (&m)[kCount], const float (&l)[kCount], const float (&a)[kCount]) {
+    float chunk_max = max;  // finite once a state with a key is folded: every split, and warp 0, has one
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) chunk_max = fmaxf(chunk_max, m[i]);
+    const float rescale = max == kNegInf ? 0.f : exp2f(max - chunk_max);
+    sum *= rescale, acc *= rescale;
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      const float w = m[i] == kNegInf ? 0.f : exp2f(m[i] - chunk_max);
+      sum = fmaf(l[i], w, sum);
+      acc = fmaf(a[i], w, acc);
+    }
+    max = chunk_max;
+  }
+};
+
 // Online-softmax state of one warp for the group's heads; acc holds the lane's head_dim slice.
 template <class S>
 struct SoftmaxState {
@@ -175,17 +201,6 @@ struct SoftmaxState {
       for (int j = 0; j < kPerLane; ++j) acc[h][j] = 0.f;
     }
   }
-
-  // Fold another state (max m, sum l, acc slice a) of head h into this one.
-  __device__ __forceinline__ void merge(int h, float m, float l, const float* a) {
-    if (m == kNegInf) return;
-    const float new_max = fmaxf(max[h], m);
-    const float mine = exp2f(max[h] - new_max), theirs = exp2f(m - new_max);
-    sum[h] = sum[h] * mine + l * theirs;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) acc[h][j] = acc[h][j] * mine + a[j] * theirs;
-    max[h] = new_max;
-  }
 };
 
 // How a warp walks its keys: kKeysPerIter keys per iteration (kKvRowBytesPerIter of K rows, and at
@@ -200,9 +215,22 @@ struct KeyTiling {
   using Raw = typename RowSlice<kPerLane>::Raw;
 };
 
+// The CTA merge of its warps' states: kSlots warps' states per round, as many as kMergeAccBytes
+// holds (a power of 2 that divides kWarps); a thread per output channel (h, d) of the group, or
+// kChannelsPerThread of them.
+template <class S>
+struct MergeTiling {
+  static constexpr int kChannels = S::group * S::head_dim;
+  static constexpr int kFit = pow2_floor(kMergeAccBytes / (kChannels * static_cast<int>(sizeof(float))));
+  static constexpr int kSlots = kFit < kWarps ? kFit : kWarps;
+  static constexpr int kRounds = kWarps / kSlots;
+  static constexpr int kChannelsPerThread = (kChannels + kThreads - 1) / kThreads;
+  static_assert(kFit >= 1, "one warp's accumulators fit in kMergeAccBytes");
+};
+
 template <class S>
 struct AttentionShared {
-  static constexpr int kMergeSlots = kWarps / 2;
+  static constexpr int kMergeSlots = MergeTiling<S>::kSlots;
   float q[S::group][S::head_dim];  // the group's query heads, normed and rotated (bf16-exact values)
   union {
     // Each lane's K slices of its warp's first block of keys, copied while waiting at the barrier
@@ -451,32 +479,41 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 #pragma unroll
     for (int h = 0; h < G; ++h) state.sum[h] = __shfl_sync(kFullMask, slot_sum, h * kLanesPerHead);
 
-    // Merge the warps' states pairwise in shared memory; warp 0 ends with the CTA's.
-    for (int active = kWarps / 2; active >= 1; active /= 2) {
-      if (warp >= active && warp < 2 * active) {
-        const int slot = warp - active;
+    // Merge the warps' states: each round, kSlots warps write theirs to shared memory and every
+    // thread folds them into its channels' running softmax (one CTA barrier per round, where a
+    // pairwise tree takes two per level); the threads then write the CTA's partial.
+    using M = MergeTiling<S>;
+    ChannelSoftmax channel[M::kChannelsPerThread];
+    for (int round = 0; round < M::kRounds; ++round) {
+      const int merge_slot = warp - round * M::kSlots;
+      if (merge_slot >= 0 && merge_slot < M::kSlots) {
 #pragma unroll
         for (int h = 0; h < G; ++h) {
-          if (lane == 0) sh.merge.max[slot][h] = state.max[h], sh.merge.sum[slot][h] = state.sum[h];
+          if (lane == 0) sh.merge.max[merge_slot][h] = state.max[h], sh.merge.sum[merge_slot][h] = state.sum[h];
 #pragma unroll
-          for (int j = 0; j < kPerLane; ++j) sh.merge.acc[slot][h][lane * kPerLane + j] = state.acc[h][j];
+          for (int j = 0; j < kPerLane; ++j) sh.merge.acc[merge_slot][h][lane * kPerLane + j] = state.acc[h][j];
         }
       }
       __syncthreads();
-      if (warp < active) {
 #pragma unroll
-        for (int h = 0; h < G; ++h)
-          state.merge(h, sh.merge.max[warp][h], sh.merge.sum[warp][h], &sh.merge.acc[warp][h][lane * kPerLane]);
+      for (int i = 0; i < M::kChannelsPerThread; ++i) {
+        const int c = threadIdx.x + i * kThreads, h = c / HD, d = c % HD;
+        if (c < M::kChannels) {
+          float m[M::kSlots], l[M::kSlots], a[M::kSlots];
+#pragma unroll
+          for (int w = 0; w < M::kSlots; ++w) m[w] = sh.merge.max[w][h], l[w] = sh.merge.sum[w][h], a[w] = sh.merge.acc[w][h][d];
+          channel[i].fold(m, l, a);
+        }
       }
-      __syncthreads();
+      if (round + 1 < M::kRounds) __syncthreads();  // the next round overwrites the slots
     }
-    if (warp == 0) {
 #pragma unroll
-      for (int h = 0; h < G; ++h) {
+    for (int i = 0; i < M::kChannelsPerThread; ++i) {
+      const int c = threadIdx.x + i * kThreads, h = c / HD, d = c % HD;
+      if (c < M::kChannels) {
         float* out = partials + (static_cast<size_t>(g * G + h) * kMaxSplits + split) * kPartialStride;
-#pragma unroll
-        for (int j = 0; j < kPerLane; ++j) out[lane * kPerLane + j] = state.acc[h][j];
-        if (lane == 0) out[HD] = state.max[h], out[HD + 1] = state.sum[h];
+        out[d] = channel[i].acc;
+        if (d == 0) out[HD] = channel[i].max, out[HD + 1] = channel[i].sum;
       }
     }
 
@@ -495,7 +532,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
       for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
         const int h = idx / HD, d = idx % HD;
         const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride;
-        float run_max = kNegInf, run_sum = 0.f, run_acc = 0.f;
+        ChannelSoftmax run;
         for (int s0 = 0; s0 < splits; s0 += kCombineChunk) {
           float m[kCombineChunk], l[kCombineChunk], a[kCombineChunk];
 #pragma unroll
@@ -506,20 +543,9 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
             l[i] = valid ? __ldcg(split_part + HD + 1) : 0.f;
             a[i] = valid ? __ldcg(split_part + d) : 0.f;
           }
-          float chunk_max = run_max;  // finite after the first chunk: every split has a key
-#pragma unroll
-          for (int i = 0; i < kCombineChunk; ++i) chunk_max = fmaxf(chunk_max, m[i]);
-          const float rescale = run_max == kNegInf ? 0.f : exp2f(run_max - chunk_max);
-          run_sum *= rescale, run_acc *= rescale;
-#pragma unroll
-          for (int i = 0; i < kCombineChunk; ++i) {
-            const float w = m[i] == kNegInf ? 0.f : exp2f(m[i] - chunk_max);
-            run_sum = fmaf(l[i], w, run_sum);
-            run_acc = fmaf(a[i], w, run_acc);
-          }
-          run_max = chunk_max;
+          run.fold(m, l, a);
         }
-        attn_out[(g * G + h) * HD + d] = __float2bfloat16(run_acc / run_sum);
+        attn_out[(g * G + h) * HD + d] = __float2bfloat16(run.acc / run.sum);
       }
       if (threadIdx.x == 0) split_counters[g] = 0;
     }

@@ -18,6 +18,7 @@ WARPS = THREADS // WARP_SIZE
 VEC_ELEMS = 8  # bf16 per 16-byte load
 MAX_SPLITS = 64  # kMaxSplits of attention.cuh
 KV_ROW_BYTES_PER_ITER = 1024  # kKvRowBytesPerIter of attention.cuh
+MERGE_ACC_BYTES = 32 * 1024  # kMergeAccBytes of attention.cuh
 HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
 STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
 SHARED_RESERVED = WARPS * (4 + 8 + 8) + 16  # the reduce, best and split_sums arrays beside the union, and alignment
@@ -113,7 +114,8 @@ class KernelShape:
     def shared_bytes(self) -> int:
         """SharedStorage<S> of decode_step.cu: max(GEMV input, attention buffers) + reductions."""
         group_elems = self.group * self.head_dim
-        merge = FLOAT_BYTES * (WARPS // 2) * (group_elems + 2 * self.group)  # merge max, sum, acc
+        merge_slots = min(WARPS, _pow2_floor(MERGE_ACC_BYTES // (FLOAT_BYTES * group_elems)))
+        merge = FLOAT_BYTES * merge_slots * (group_elems + 2 * self.group)  # merge max, sum, acc
         keys_per_iter = min(KV_ROW_BYTES_PER_ITER // (BF16_BYTES * self.head_dim), _pow2_floor(WARP_SIZE // self.group))
         first_keys = WARPS * keys_per_iter * BF16_BYTES * self.head_dim  # every lane's K slices of one block per warp
         new_row = 2 * BF16_BYTES * self.head_dim  # the new position's K and V row
