@@ -233,10 +233,13 @@ struct AttentionShared {
   static constexpr int kMergeSlots = MergeTiling<S>::kSlots;
   float q[S::group][S::head_dim];  // the group's query heads, normed and rotated (bf16-exact values)
   union {
-    // Each lane's K slices of its warp's first block of keys, copied while waiting at the barrier
-    // before attention (issue_first_keys); read before the item's first __syncthreads, so the
-    // merge, which comes after it, may reuse the space.
-    typename KeyTiling<S>::Raw first_keys[kWarps][KeyTiling<S>::kKeysPerIter][kWarpSize];
+    // Each lane's K and V slices of its warp's first block of keys, copied while waiting at the
+    // barrier before attention (issue_first_block); read before the item's first __syncthreads,
+    // so the merge, which comes after it, may reuse the space.
+    struct {
+      typename KeyTiling<S>::Raw k[kWarps][KeyTiling<S>::kKeysPerIter][kWarpSize];
+      typename KeyTiling<S>::Raw v[kWarps][KeyTiling<S>::kKeysPerIter][kWarpSize];
+    } first_block;
     struct {
       float max[kMergeSlots][S::group];
       float sum[kMergeSlots][S::group];
@@ -289,12 +292,9 @@ struct KeyBlock {
   typename KeyTiling<S>::Raw k[KeyTiling<S>::kKeysPerIter], v[KeyTiling<S>::kKeysPerIter];
 };
 
-// Which rows of a block load_key_block loads.
-enum class BlockRows { kKeysAndValues, kValuesOnly };
-
-// Keys [t0, t0 + kKeysPerIter) of a KV head, those before `end`: their K and V rows, or V only. Read
-// from L2: the row of the new position is appended earlier in the same launch.
-template <class S, BlockRows kRows = BlockRows::kKeysAndValues>
+// Keys [t0, t0 + kKeysPerIter) of a KV head, those before `end`: their K and V rows. Read from L2:
+// the row of the new position is appended earlier in the same launch.
+template <class S>
 __device__ __forceinline__ void load_key_block(const LayerCache& cache, size_t head_offset, int t0, int end, int lane,
                                                KeyBlock<S>& block) {
   using T = KeyTiling<S>;
@@ -302,7 +302,7 @@ __device__ __forceinline__ void load_key_block(const LayerCache& cache, size_t h
   for (int u = 0; u < T::kKeysPerIter; ++u) {
     if (t0 + u < end) {
       const size_t row = key_slice<S>(head_offset, t0 + u, lane);
-      if constexpr (kRows == BlockRows::kKeysAndValues) block.k[u] = load_slice<T::kPerLane>(cache.k + row);
+      block.k[u] = load_slice<T::kPerLane>(cache.k + row);
       block.v[u] = load_slice<T::kPerLane>(cache.v + row);
     }
   }
@@ -321,15 +321,14 @@ __device__ __forceinline__ void copy_async(Raw* dst, const Raw* src) {
 
 __device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// The K rows of this warp's first block of keys of its CTA's first work item, copied into
-// sh.first_keys while the CTA waits at the grid barrier before attention: keys before the new
+// The K and V rows of this warp's first block of keys of its CTA's first work item, copied into
+// sh.first_block while the CTA waits at the grid barrier before attention: keys before the new
 // position were written by earlier steps, so their HBM latency runs under the barrier (the new
-// position's row is replaced by the appended one). Asynchronous copies, not loads: a
-// block held in registers across the barrier spilled on 8B. Only K: V is needed only after the
-// scores, so its loads issued at the start of the stage land in time. sh.first_keys shares the
-// union with the GEMV input, which the CTA is done with once it arrives at the barrier.
+// position's row is replaced by the appended one). Asynchronous copies, not loads: a block held in
+// registers across the barrier spilled on 8B. sh.first_block shares the union with the GEMV
+// input, which the CTA is done with once it arrives at the barrier.
 template <class S>
-__device__ __forceinline__ void issue_first_keys(const LayerCache& cache, int pos, int max_seq, AttentionShared<S>& sh) {
+__device__ __forceinline__ void issue_first_block(const LayerCache& cache, int pos, int max_seq, AttentionShared<S>& sh) {
   using T = KeyTiling<S>;
   const KeySplits plan = key_splits<S>(pos);
   const int item = blockIdx.x, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -340,13 +339,14 @@ __device__ __forceinline__ void issue_first_keys(const LayerCache& cache, int po
 #pragma unroll
   for (int u = 0; u < T::kKeysPerIter; ++u) {
     if (first_key + u < work.end) {
-      copy_async(&sh.first_keys[warp][u][lane],
-                 reinterpret_cast<const Raw*>(cache.k + key_slice<S>(work.head_offset, first_key + u, lane)));
+      const size_t row = key_slice<S>(work.head_offset, first_key + u, lane);
+      copy_async(&sh.first_block.k[warp][u][lane], reinterpret_cast<const Raw*>(cache.k + row));
+      copy_async(&sh.first_block.v[warp][u][lane], reinterpret_cast<const Raw*>(cache.v + row));
     }
   }
 }
 
-// For its first item, the CTA's issue_first_keys ran before the stage.
+// For its first item, the CTA's issue_first_block ran before the stage.
 template <class S>
 __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const bf16* q_norm, const bf16* k_norm,
                                 const RopeTable<S>& rope, int pos, int max_seq, float eps, float* partials,
@@ -381,10 +381,11 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     const int first_key = begin + warp * kKeysPerIter;
     KeyBlock<S> current = {}, next = {};
     if (item == static_cast<int>(blockIdx.x)) {
-      if (first_key < end) load_key_block<S, BlockRows::kValuesOnly>(cache, head_offset, first_key, end, lane, current);
       wait_async_copies();  // this lane's own copies: no CTA barrier needed to read them
 #pragma unroll
-      for (int u = 0; u < kKeysPerIter; ++u) if (first_key + u < end) current.k[u] = sh.first_keys[warp][u][lane];
+      for (int u = 0; u < kKeysPerIter; ++u) {
+        if (first_key + u < end) current.k[u] = sh.first_block.k[warp][u][lane], current.v[u] = sh.first_block.v[warp][u][lane];
+      }
     } else if (first_key < end) {
       load_block(first_key, current);
     }

@@ -13,9 +13,9 @@
 // device memory, so one captured CUDA graph of this launch replays for every step.
 // Weights need nothing from the stage before them, so each GEMV's first weight chunk per warp is
 // loaded while its CTA waits at the grid barrier in front of it (prefetch_weights), and so is the
-// first block of keys of each warp's attention (issue_first_keys: keys before the new position come
-// from earlier steps); a residual that an epilogue adds is loaded before the dot product it waits
-// for (gemv_row_pairs' operand).
+// first block of keys and values of each warp's attention (issue_first_block: keys before the new
+// position come from earlier steps); a residual that an epilogue adds is loaded before the dot
+// product it waits for (gemv_row_pairs' operand).
 #include "attention.cuh"
 #include "common.cuh"
 #include "gemv.cuh"
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
       });
     const LayerCache cache{w.k_cache, w.v_cache};
-    end_stage(timer, barrier, [&] { issue_first_keys<S>(cache, pos, max_seq, sh.attention); });
+    end_stage(timer, barrier, [&] { issue_first_block<S>(cache, pos, max_seq, sh.attention); });
 
     attention_stage<S>(qkv, cache, w.q_norm, w.k_norm, sh.rope, pos, max_seq, rms_eps, attn_partials,
                        counters + kCounterSplits, attn_out, sh.attention);
