@@ -9,113 +9,18 @@
 // warp whose first block of keys holds the position takes its row from shared memory, and no warp
 // reads that position from the cache before the append.
 #pragma once
-#include "common.cuh"
+#include "kv_rows.cuh"
+#include "online_softmax.cuh"
 
 namespace megakernel {
 
 constexpr int kMaxSplits = 64;       // partial results per query head
 constexpr int kCombineChunk = 16;    // splits whose partials one combine thread loads at once
-constexpr int kKvRowBytesPerIter = 1024;  // bytes of one warp's K (and as many of V) loads per iteration
 // Shared memory for the warps' accumulators in one round of the CTA merge: 32 KB holds all 16
 // warps' at group 4 x head_dim 128 and leaves room in the 48 KB of static shared memory for q,
 // the new row, the RoPE table and the reductions; larger groups merge in more rounds.
 constexpr int kMergeAccBytes = 32 * 1024;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNegInf = -cuda::std::numeric_limits<float>::infinity();
-
-__host__ __device__ constexpr int pow2_floor(int n) {
-  int p = 1;
-  while (2 * p <= n) p *= 2;
-  return p;
-}
-
-__host__ __device__ constexpr int pow2_ceil(int n) {
-  int p = 1;
-  while (p < n) p *= 2;
-  return p;
-}
-
-// One level of warp_reduce_scatter: kCount slots remain; keep half, hand the other half to the
-// lane kOffset away and add what it hands back. Templated so every index is a constant (registers).
-template <int kCount, int kOffset, int kSlots>
-__device__ __forceinline__ void reduce_scatter_level(float (&partial)[kSlots], int lane) {
-  if constexpr (kCount > 1) {
-    const bool upper = lane & kOffset;  // this lane keeps the upper half of the remaining slots
-#pragma unroll
-    for (int i = 0; i < kCount / 2; ++i) {
-      const float give = upper ? partial[i] : partial[i + kCount / 2];
-      const float keep = upper ? partial[i + kCount / 2] : partial[i];
-      partial[i] = keep + __shfl_xor_sync(kFullMask, give, kOffset);
-    }
-    reduce_scatter_level<kCount / 2, kOffset / 2>(partial, lane);
-  }
-}
-
-// Reduce-scatter over the warp: every lane holds kSlots partial sums; afterwards lane l holds the
-// full sum of slot l / (kWarpSize / kSlots). Each level hands half of the remaining slots to the
-// partner lane, so kSlots dot products cost kSlots - 1 + log2(kWarpSize / kSlots) shuffles instead
-// of kSlots * log2(kWarpSize) for one warp_sum each.
-template <int kSlots>
-__device__ __forceinline__ float warp_reduce_scatter(float (&partial)[kSlots], int lane) {
-  static_assert(kSlots >= 1 && kSlots <= kWarpSize && (kSlots & (kSlots - 1)) == 0, "slots: a power of 2 <= 32");
-  reduce_scatter_level<kSlots, kWarpSize / 2>(partial, lane);
-  float total = partial[0];
-#pragma unroll
-  for (int offset = kWarpSize / kSlots / 2; offset > 0; offset /= 2) total += __shfl_xor_sync(kFullMask, total, offset);
-  return total;
-}
-
-// Pointers into one layer's KV cache row of this sequence: [kv_heads, max_seq, head_dim] each.
-struct LayerCache {
-  bf16* k;
-  bf16* v;
-};
-
-// A lane's slice of a head_dim row: kPerLane consecutive bf16 in one 4-, 8- or 16-byte word;
-// pack rounds kPerLane floats to it (round to nearest even, as the reference's casts).
-template <int kPerLane>
-struct RowSlice;
-template <>
-struct RowSlice<2> {
-  using Raw = unsigned;
-  static __device__ __forceinline__ Raw pack(const float* x) { return float2_to_bf16x2(x[0], x[1]); }
-};
-template <>
-struct RowSlice<4> {
-  using Raw = uint2;
-  static __device__ __forceinline__ Raw pack(const float* x) {
-    return make_uint2(float2_to_bf16x2(x[0], x[1]), float2_to_bf16x2(x[2], x[3]));
-  }
-};
-template <>
-struct RowSlice<8> {
-  using Raw = uint4;
-  static __device__ __forceinline__ Raw pack(const float* x) {
-    return make_uint4(float2_to_bf16x2(x[0], x[1]), float2_to_bf16x2(x[2], x[3]), float2_to_bf16x2(x[4], x[5]),
-                      float2_to_bf16x2(x[6], x[7]));
-  }
-};
-
-// Read from L2: the cache row may have been appended earlier in this launch.
-template <int kPerLane>
-__device__ __forceinline__ typename RowSlice<kPerLane>::Raw load_slice(const bf16* p) {
-  return __ldcg(reinterpret_cast<const typename RowSlice<kPerLane>::Raw*>(p));
-}
-
-template <int kPerLane>
-__device__ __forceinline__ void unpack_slice(const typename RowSlice<kPerLane>::Raw& raw, float* out) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kPerLane / 2; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    out[2 * i] = f.x, out[2 * i + 1] = f.y;
-  }
-}
-
-template <int kPerLane>
-__device__ __forceinline__ void load_row_slice(const bf16* p, float* out) {
-  unpack_slice<kPerLane>(load_slice<kPerLane>(p), out);
-}
 
 // cos and sin of the new position's rotary angles (inv_freq[i] * pos), rounded to bf16 as the
 // reference's are. The same for every layer: filled once per step, so the attention stages pay no
@@ -162,58 +67,6 @@ __device__ __forceinline__ void prepare_head(const bf16* raw, const bf16* norm_w
     x[j] = bf16_round(first_half ? x[j] * c - partner * s : x[j] * c + partner * s);
   }
 }
-
-// Online softmax of one output channel over states (max m, sum l, channel value a), folded a chunk
-// at a time: a chunk's loads are all issued before the first use, so it costs one round trip.
-struct ChannelSoftmax {
-  float max = kNegInf, sum = 0.f, acc = 0.f;
-
-  template <int kCount>
-  __device__ __forceinline__ void fold(const float (&m)[kCount], const float (&l)[kCount], const float (&a)[kCount]) {
-    float chunk_max = max;  // finite once a state with a key is folded: every split, and warp 0, has one
-#pragma unroll
-    for (int i = 0; i < kCount; ++i) chunk_max = fmaxf(chunk_max, m[i]);
-    const float rescale = max == kNegInf ? 0.f : exp2f(max - chunk_max);
-    sum *= rescale, acc *= rescale;
-#pragma unroll
-    for (int i = 0; i < kCount; ++i) {
-      const float w = m[i] == kNegInf ? 0.f : exp2f(m[i] - chunk_max);
-      sum = fmaf(l[i], w, sum);
-      acc = fmaf(a[i], w, acc);
-    }
-    max = chunk_max;
-  }
-};
-
-// Online-softmax state of one warp for the group's heads; acc holds the lane's head_dim slice.
-template <class S>
-struct SoftmaxState {
-  static constexpr int kPerLane = S::head_dim / kWarpSize;
-  float max[S::group];
-  float sum[S::group];
-  float acc[S::group][kPerLane];
-
-  __device__ __forceinline__ void reset() {
-#pragma unroll
-    for (int h = 0; h < S::group; ++h) {
-      max[h] = kNegInf, sum[h] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) acc[h][j] = 0.f;
-    }
-  }
-};
-
-// How a warp walks its keys: kKeysPerIter keys per iteration (kKvRowBytesPerIter of K rows, and at
-// most one score slot per lane), as kPerLane channels per lane of each K and V row.
-template <class S>
-struct KeyTiling {
-  static constexpr int kPerLane = S::head_dim / kWarpSize;
-  static constexpr int kKeysByBytes = kKvRowBytesPerIter / (S::head_dim * 2);
-  static constexpr int kKeysBySlots = pow2_floor(kWarpSize / S::group);
-  static constexpr int kKeysPerIter = kKeysByBytes < kKeysBySlots ? kKeysByBytes : kKeysBySlots;
-  static constexpr int kMinKeysPerSplit = kWarps * kKeysPerIter;
-  using Raw = typename RowSlice<kPerLane>::Raw;
-};
 
 // The CTA merge of its warps' states: kSlots warps' states per round, as many as kMergeAccBytes
 // holds (a power of 2 that divides kWarps); a thread per output channel (h, d) of the group, or
@@ -279,47 +132,6 @@ __device__ __forceinline__ WorkItem work_item(int item, const KeySplits& plan, i
   const int g = item / plan.splits, split = item % plan.splits, begin = split * plan.chunk;
   return WorkItem{g, split, begin, min(pos + 1, begin + plan.chunk), static_cast<size_t>(g) * max_seq * S::head_dim};
 }
-
-// Where a lane's slice of key t's K (or V) row starts, in elements of the layer's cache.
-template <class S>
-__device__ __forceinline__ size_t key_slice(size_t head_offset, int t, int lane) {
-  return head_offset + static_cast<size_t>(t) * S::head_dim + lane * KeyTiling<S>::kPerLane;
-}
-
-// One iteration's keys of one warp: the lane's slices of kKeysPerIter K and V rows.
-template <class S>
-struct KeyBlock {
-  typename KeyTiling<S>::Raw k[KeyTiling<S>::kKeysPerIter], v[KeyTiling<S>::kKeysPerIter];
-};
-
-// Keys [t0, t0 + kKeysPerIter) of a KV head, those before `end`: their K and V rows. Read from L2:
-// the row of the new position is appended earlier in the same launch.
-template <class S>
-__device__ __forceinline__ void load_key_block(const LayerCache& cache, size_t head_offset, int t0, int end, int lane,
-                                               KeyBlock<S>& block) {
-  using T = KeyTiling<S>;
-#pragma unroll
-  for (int u = 0; u < T::kKeysPerIter; ++u) {
-    if (t0 + u < end) {
-      const size_t row = key_slice<S>(head_offset, t0 + u, lane);
-      block.k[u] = load_slice<T::kPerLane>(cache.k + row);
-      block.v[u] = load_slice<T::kPerLane>(cache.v + row);
-    }
-  }
-}
-
-// sizeof(Raw) bytes (4, 8 or 16) from global to shared memory without passing through registers
-// (cp.async.ca: .cg, which skips L1, copies only 16 bytes; no line these copies cache is written
-// in the launch except the new position's, whose copied row is replaced by the appended one);
-// complete for this thread after wait_async_copies.
-template <class Raw>
-__device__ __forceinline__ void copy_async(Raw* dst, const Raw* src) {
-  static_assert(sizeof(Raw) == 4 || sizeof(Raw) == 8 || sizeof(Raw) == 16, "cp.async copies 4, 8 or 16 bytes");
-  const unsigned dst_shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst_shared), "l"(src), "n"(sizeof(Raw)) : "memory");
-}
-
-__device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // The K and V rows of this warp's first block of keys of its CTA's first work item, copied into
 // sh.first_block while the CTA waits at the grid barrier before attention: keys before the new

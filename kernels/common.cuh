@@ -30,6 +30,19 @@ __device__ __forceinline__ uint4 load_activations16(const bf16* p) {
   return __ldcg(reinterpret_cast<const uint4*>(p));
 }
 
+// Powers of 2 around n (n >= 1), for tile sizes fixed at compile time.
+__host__ __device__ constexpr int pow2_floor(int n) {
+  int p = 1;
+  while (2 * p <= n) p *= 2;
+  return p;
+}
+
+__host__ __device__ constexpr int pow2_ceil(int n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
 __device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 // The four 32-bit words of a 16-byte vector, each two bf16 (element 0 in the low half). Working on

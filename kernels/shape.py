@@ -17,7 +17,7 @@ WARP_SIZE = 32
 WARPS = THREADS // WARP_SIZE
 VEC_ELEMS = 8  # bf16 per 16-byte load
 MAX_SPLITS = 64  # kMaxSplits of attention.cuh
-KV_ROW_BYTES_PER_ITER = 1024  # kKvRowBytesPerIter of attention.cuh
+KV_ROW_BYTES_PER_ITER = 1024  # kKvRowBytesPerIter of kv_rows.cuh
 MERGE_ACC_BYTES = 32 * 1024  # kMergeAccBytes of attention.cuh
 HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
 STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
@@ -46,7 +46,7 @@ class ShapedConfig(Protocol):
 
 
 def _pow2_floor(n: int) -> int:
-    """The largest power of 2 <= n (attention.cuh's pow2_floor)."""
+    """The largest power of 2 <= n (common.cuh's pow2_floor)."""
     return 1 << (n.bit_length() - 1)
 
 
