@@ -86,8 +86,8 @@ struct AttentionShared {
   static constexpr int kMergeSlots = MergeTiling<S>::kSlots;
   float q[S::group][S::head_dim];  // the group's query heads, normed and rotated (bf16-exact values)
   union {
-    // Each lane's K and V slices of its warp's first block of keys, copied while waiting at the
-    // barrier before attention (issue_first_block); read before the item's first __syncthreads,
+    // Each lane's K and V slices of its warp's first block of keys, copied while waiting for the
+    // QKV rows before attention (issue_first_block); read before the stage's first __syncthreads,
     // so the merge, which comes after it, may reuse the space.
     struct {
       typename KeyTiling<S>::Raw k[kWarps][KeyTiling<S>::kKeysPerIter][kWarpSize];
@@ -120,32 +120,37 @@ __device__ __forceinline__ KeySplits key_splits(int pos) {
   return KeySplits{(n + chunk - 1) / chunk, chunk};
 }
 
-// Work item `item` = (KV head g, split): keys [begin, end) of head g, whose cache rows start at
-// head_offset elements into the layer's K and V.
+// This CTA's work item: KV head g, split `split` of `splits`, keys [begin, end) of head g, whose cache
+// rows start at head_offset elements into the layer's K and V. One item per CTA at most (splits <=
+// grid / kv_heads; the launcher ensures grid >= kv_heads); g < 0 when the CTA has none.
 struct WorkItem {
-  int g, split, begin, end;
+  int g, split, splits, begin, end;
   size_t head_offset;
+  __device__ bool valid() const { return g >= 0; }
 };
 
 template <class S>
-__device__ __forceinline__ WorkItem work_item(int item, const KeySplits& plan, int pos, int max_seq) {
+__device__ __forceinline__ WorkItem cta_work_item(int pos, int max_seq) {
+  const KeySplits plan = key_splits<S>(pos);
+  const int item = blockIdx.x;
+  if (item >= S::kv_heads * plan.splits) return WorkItem{-1, 0, 0, 0, 0, 0};
   const int g = item / plan.splits, split = item % plan.splits, begin = split * plan.chunk;
-  return WorkItem{g, split, begin, min(pos + 1, begin + plan.chunk), static_cast<size_t>(g) * max_seq * S::head_dim};
+  return WorkItem{g,     split, plan.splits, begin, min(pos + 1, begin + plan.chunk),
+                  static_cast<size_t>(g) * max_seq * S::head_dim};
 }
 
-// The K and V rows of this warp's first block of keys of its CTA's first work item, copied into
-// sh.first_block while the CTA waits at the grid barrier before attention: keys before the new
-// position were written by earlier steps, so their HBM latency runs under the barrier (the new
-// position's row is replaced by the appended one). Asynchronous copies, not loads: a block held in
-// registers across the barrier spilled on 8B. sh.first_block shares the union with the GEMV
-// input, which the CTA is done with once it arrives at the barrier.
+// The K and V rows of this warp's first block of keys, copied into sh.first_block while the CTA
+// waits for the QKV rows before attention: keys before the new position were written by earlier
+// steps, so their HBM latency runs under the wait (the new position's row is replaced by the
+// appended one). Asynchronous copies, not loads: a block held in registers across the wait
+// spilled on 8B. sh.first_block shares the union with the GEMV input, which the CTA is done with
+// once it has written its QKV rows.
 template <class S>
 __device__ __forceinline__ void issue_first_block(const LayerCache& cache, int pos, int max_seq, AttentionShared<S>& sh) {
   using T = KeyTiling<S>;
-  const KeySplits plan = key_splits<S>(pos);
-  const int item = blockIdx.x, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  if (item >= S::kv_heads * plan.splits) return;
-  const WorkItem work = work_item<S>(item, plan, pos, max_seq);
+  const WorkItem work = cta_work_item<S>(pos, max_seq);
+  if (!work.valid()) return;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int first_key = work.begin + warp * T::kKeysPerIter;
   using Raw = typename T::Raw;
 #pragma unroll
@@ -158,7 +163,7 @@ __device__ __forceinline__ void issue_first_block(const LayerCache& cache, int p
   }
 }
 
-// For its first item, the CTA's issue_first_block ran before the stage.
+// The CTA's issue_first_block ran before the stage, and its item's q, k and v rows are written.
 template <class S>
 __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const bf16* q_norm, const bf16* k_norm,
                                 const RopeTable<S>& rope, int pos, int max_seq, float eps, float* partials,
@@ -178,191 +183,182 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
   const int n = pos + 1;  // keys, the new one included
-  const KeySplits plan = key_splits<S>(pos);
-  const int splits = plan.splits;
+  const WorkItem work = cta_work_item<S>(pos, max_seq);
+  if (!work.valid()) return;
+  const int g = work.g, split = work.split, splits = work.splits, begin = work.begin, end = work.end;
+  const size_t head_offset = work.head_offset;
 
-  for (int item = blockIdx.x; item < S::kv_heads * splits; item += gridDim.x) {
-    const WorkItem work = work_item<S>(item, plan, pos, max_seq);
-    const int g = work.g, split = work.split, begin = work.begin, end = work.end;
-    const size_t head_offset = work.head_offset;
+  // The warp's first block of keys has been in flight since before the stage, so its HBM latency
+  // ran under the wait; in a block that holds the new position, that row is replaced by the
+  // appended one below.
+  const auto load_block = [&](int t0, KeyBlock<S>& block) { load_key_block<S>(cache, head_offset, t0, end, lane, block); };
+  const int first_key = begin + warp * kKeysPerIter;
+  KeyBlock<S> current = {}, next = {};
+  wait_async_copies();  // this lane's own copies: no CTA barrier needed to read them
+#pragma unroll
+  for (int u = 0; u < kKeysPerIter; ++u) {
+    if (first_key + u < end) current.k[u] = sh.first_block.k[warp][u][lane], current.v[u] = sh.first_block.v[warp][u][lane];
+  }
 
-    // The warp's first block of keys is in flight before the query heads are prepared (for the
-    // CTA's first item since before the stage), so its HBM latency runs under theirs; in a block
-    // that holds the new position, that row is replaced by the appended one below.
-    const auto load_block = [&](int t0, KeyBlock<S>& block) { load_key_block<S>(cache, head_offset, t0, end, lane, block); };
-    const int first_key = begin + warp * kKeysPerIter;
-    KeyBlock<S> current = {}, next = {};
-    if (item == static_cast<int>(blockIdx.x)) {
-      wait_async_copies();  // this lane's own copies: no CTA barrier needed to read them
+  for (int h = warp; h < G; h += kWarps) {
+    float x[kPerLane];
+    prepare_head<S>(qkv + (g * G + h) * HD, q_norm, rope, eps, lane, x);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) sh.q[h][lane * kPerLane + j] = x[j];
+  }
+  if (end == n && warp == kAppendWarp) {  // this split owns the new position: append its key and value
+    using Raw = typename T::Raw;
+    // The value's load is issued with the key's: one L2 round trip for both.
+    const Raw value = load_slice<kPerLane>(qkv + S::q_dim + S::kv_dim + g * HD + lane * kPerLane);
+    float k[kPerLane];
+    prepare_head<S>(qkv + S::q_dim + g * HD, k_norm, rope, eps, lane, k);
+    const Raw key = RowSlice<kPerLane>::pack(k);
+    const size_t row = key_slice<S>(head_offset, pos, lane);
+    *reinterpret_cast<Raw*>(cache.k + row) = key;
+    *reinterpret_cast<Raw*>(cache.v + row) = value;
+    sh.new_key[lane] = key, sh.new_value[lane] = value;
+  }
+  __syncthreads();
+  if (end == n && first_key < end && end <= first_key + kKeysPerIter) {
+#pragma unroll
+    for (int u = 0; u < kKeysPerIter; ++u)
+      if (first_key + u == pos) current.k[u] = sh.new_key[lane], current.v[u] = sh.new_value[lane];
+  }
+
+  float q[G][kPerLane];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) q[h][j] = sh.q[h][lane * kPerLane + j];
+
+  // Keys in blocks of kKeysPerIter per warp; the next block's loads are issued before the current
+  // block is computed, so two blocks per warp are in flight. The block's G x kKeysPerIter scores
+  // are slots of one warp_reduce_scatter: lane l owns slot l / kLanesPerSlot = (head, key), so
+  // the softmax's max, exp and running sum are done once per slot, by its lanes, and each lane
+  // then gathers the probabilities it needs for its head_dim slice of the output.
+  const int slot = lane / kLanesPerSlot;
+  const int slot_head = slot / kKeysPerIter, slot_key = slot % kKeysPerIter;  // slot_head >= G: padding
+  const bool counts_sum = slot_head < G && lane % kLanesPerSlot == 0;  // one lane per slot adds to the sum
+  float slot_max = kNegInf, slot_sum = 0.f;  // running max and sum of the slot's head, over this lane's keys
+
+  constexpr int kWarpStride = kWarps * kKeysPerIter;
+  SoftmaxState<S> state;
+  state.reset();
+  for (int t0 = first_key; t0 < end; t0 += kWarpStride) {
+    if (t0 + kWarpStride < end) load_block(t0 + kWarpStride, next);
+    float k[kKeysPerIter][kPerLane], v[kKeysPerIter][kPerLane];
+#pragma unroll
+    for (int u = 0; u < kKeysPerIter; ++u) unpack_slice<kPerLane>(current.k[u], k[u]), unpack_slice<kPerLane>(current.v[u], v[u]);
+    float partial[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      partial[i] = 0.f;
+      if (i < G * kKeysPerIter) {
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) partial[i] = fmaf(q[i / kKeysPerIter][j], k[i % kKeysPerIter][j], partial[i]);
+      }
+    }
+    const float dot = warp_reduce_scatter<kSlots>(partial, lane);
+    const float score = slot_head < G && t0 + slot_key < end ? dot * score_scale : kNegInf;
+    float block_max = score;  // over the slot's head: kLanesPerHead aligned lanes
+#pragma unroll
+    for (int offset = kLanesPerHead / 2; offset > 0; offset /= 2)
+      block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, offset));
+    const float new_slot_max = fmaxf(slot_max, block_max);  // finite for real heads: key t0 is valid
+    const float p = score == kNegInf ? 0.f : exp2f(score - new_slot_max);
+    slot_sum = (slot_max == kNegInf ? 0.f : slot_sum * exp2f(slot_max - new_slot_max)) + (counts_sum ? p : 0.f);
+    slot_max = new_slot_max;
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float new_max = __shfl_sync(kFullMask, new_slot_max, h * kLanesPerHead);
+      const float correction = exp2f(state.max[h] - new_max);
+      state.max[h] = new_max;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) state.acc[h][j] *= correction;
 #pragma unroll
       for (int u = 0; u < kKeysPerIter; ++u) {
-        if (first_key + u < end) current.k[u] = sh.first_block.k[warp][u][lane], current.v[u] = sh.first_block.v[warp][u][lane];
+        const float p_hu = __shfl_sync(kFullMask, p, (h * kKeysPerIter + u) * kLanesPerSlot);
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) state.acc[h][j] = fmaf(p_hu, v[u][j], state.acc[h][j]);
       }
-    } else if (first_key < end) {
-      load_block(first_key, current);
     }
+    current = next;
+  }
+  // Each head's sum: over its slots' counting lanes.
+#pragma unroll
+  for (int offset = kLanesPerHead / 2; offset > 0; offset /= 2) slot_sum += __shfl_xor_sync(kFullMask, slot_sum, offset);
+#pragma unroll
+  for (int h = 0; h < G; ++h) state.sum[h] = __shfl_sync(kFullMask, slot_sum, h * kLanesPerHead);
 
-    for (int h = warp; h < G; h += kWarps) {
-      float x[kPerLane];
-      prepare_head<S>(qkv + (g * G + h) * HD, q_norm, rope, eps, lane, x);
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) sh.q[h][lane * kPerLane + j] = x[j];
-    }
-    if (end == n && warp == kAppendWarp) {  // this split owns the new position: append its key and value
-      using Raw = typename T::Raw;
-      // The value's load is issued with the key's: one L2 round trip for both.
-      const Raw value = load_slice<kPerLane>(qkv + S::q_dim + S::kv_dim + g * HD + lane * kPerLane);
-      float k[kPerLane];
-      prepare_head<S>(qkv + S::q_dim + g * HD, k_norm, rope, eps, lane, k);
-      const Raw key = RowSlice<kPerLane>::pack(k);
-      const size_t row = key_slice<S>(head_offset, pos, lane);
-      *reinterpret_cast<Raw*>(cache.k + row) = key;
-      *reinterpret_cast<Raw*>(cache.v + row) = value;
-      sh.new_key[lane] = key, sh.new_value[lane] = value;
-    }
-    __syncthreads();
-    if (end == n && first_key < end && end <= first_key + kKeysPerIter) {
-#pragma unroll
-      for (int u = 0; u < kKeysPerIter; ++u)
-        if (first_key + u == pos) current.k[u] = sh.new_key[lane], current.v[u] = sh.new_value[lane];
-    }
-
-    float q[G][kPerLane];
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) q[h][j] = sh.q[h][lane * kPerLane + j];
-
-    // Keys in blocks of kKeysPerIter per warp; the next block's loads are issued before the current
-    // block is computed, so two blocks per warp are in flight. The block's G x kKeysPerIter scores
-    // are slots of one warp_reduce_scatter: lane l owns slot l / kLanesPerSlot = (head, key), so
-    // the softmax's max, exp and running sum are done once per slot, by its lanes, and each lane
-    // then gathers the probabilities it needs for its head_dim slice of the output.
-    const int slot = lane / kLanesPerSlot;
-    const int slot_head = slot / kKeysPerIter, slot_key = slot % kKeysPerIter;  // slot_head >= G: padding
-    const bool counts_sum = slot_head < G && lane % kLanesPerSlot == 0;  // one lane per slot adds to the sum
-    float slot_max = kNegInf, slot_sum = 0.f;  // running max and sum of the slot's head, over this lane's keys
-
-    constexpr int kWarpStride = kWarps * kKeysPerIter;
-    SoftmaxState<S> state;
-    state.reset();
-    for (int t0 = first_key; t0 < end; t0 += kWarpStride) {
-      if (t0 + kWarpStride < end) load_block(t0 + kWarpStride, next);
-      float k[kKeysPerIter][kPerLane], v[kKeysPerIter][kPerLane];
-#pragma unroll
-      for (int u = 0; u < kKeysPerIter; ++u) unpack_slice<kPerLane>(current.k[u], k[u]), unpack_slice<kPerLane>(current.v[u], v[u]);
-      float partial[kSlots];
-#pragma unroll
-      for (int i = 0; i < kSlots; ++i) {
-        partial[i] = 0.f;
-        if (i < G * kKeysPerIter) {
-#pragma unroll
-          for (int j = 0; j < kPerLane; ++j) partial[i] = fmaf(q[i / kKeysPerIter][j], k[i % kKeysPerIter][j], partial[i]);
-        }
-      }
-      const float dot = warp_reduce_scatter<kSlots>(partial, lane);
-      const float score = slot_head < G && t0 + slot_key < end ? dot * score_scale : kNegInf;
-      float block_max = score;  // over the slot's head: kLanesPerHead aligned lanes
-#pragma unroll
-      for (int offset = kLanesPerHead / 2; offset > 0; offset /= 2)
-        block_max = fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, offset));
-      const float new_slot_max = fmaxf(slot_max, block_max);  // finite for real heads: key t0 is valid
-      const float p = score == kNegInf ? 0.f : exp2f(score - new_slot_max);
-      slot_sum = (slot_max == kNegInf ? 0.f : slot_sum * exp2f(slot_max - new_slot_max)) + (counts_sum ? p : 0.f);
-      slot_max = new_slot_max;
+  // Merge the warps' states: each round, kSlots warps write theirs to shared memory and every
+  // thread folds them into its channels' running softmax (one CTA barrier per round, where a
+  // pairwise tree takes two per level); the threads then write the CTA's partial.
+  using M = MergeTiling<S>;
+  ChannelSoftmax channel[M::kChannelsPerThread];
+  for (int round = 0; round < M::kRounds; ++round) {
+    const int merge_slot = warp - round * M::kSlots;
+    if (merge_slot >= 0 && merge_slot < M::kSlots) {
 #pragma unroll
       for (int h = 0; h < G; ++h) {
-        const float new_max = __shfl_sync(kFullMask, new_slot_max, h * kLanesPerHead);
-        const float correction = exp2f(state.max[h] - new_max);
-        state.max[h] = new_max;
+        if (lane == 0) sh.merge.max[merge_slot][h] = state.max[h], sh.merge.sum[merge_slot][h] = state.sum[h];
 #pragma unroll
-        for (int j = 0; j < kPerLane; ++j) state.acc[h][j] *= correction;
-#pragma unroll
-        for (int u = 0; u < kKeysPerIter; ++u) {
-          const float p_hu = __shfl_sync(kFullMask, p, (h * kKeysPerIter + u) * kLanesPerSlot);
-#pragma unroll
-          for (int j = 0; j < kPerLane; ++j) state.acc[h][j] = fmaf(p_hu, v[u][j], state.acc[h][j]);
-        }
+        for (int j = 0; j < kPerLane; ++j) sh.merge.acc[merge_slot][h][lane * kPerLane + j] = state.acc[h][j];
       }
-      current = next;
     }
-    // Each head's sum: over its slots' counting lanes.
-#pragma unroll
-    for (int offset = kLanesPerHead / 2; offset > 0; offset /= 2) slot_sum += __shfl_xor_sync(kFullMask, slot_sum, offset);
-#pragma unroll
-    for (int h = 0; h < G; ++h) state.sum[h] = __shfl_sync(kFullMask, slot_sum, h * kLanesPerHead);
-
-    // Merge the warps' states: each round, kSlots warps write theirs to shared memory and every
-    // thread folds them into its channels' running softmax (one CTA barrier per round, where a
-    // pairwise tree takes two per level); the threads then write the CTA's partial.
-    using M = MergeTiling<S>;
-    ChannelSoftmax channel[M::kChannelsPerThread];
-    for (int round = 0; round < M::kRounds; ++round) {
-      const int merge_slot = warp - round * M::kSlots;
-      if (merge_slot >= 0 && merge_slot < M::kSlots) {
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-          if (lane == 0) sh.merge.max[merge_slot][h] = state.max[h], sh.merge.sum[merge_slot][h] = state.sum[h];
-#pragma unroll
-          for (int j = 0; j < kPerLane; ++j) sh.merge.acc[merge_slot][h][lane * kPerLane + j] = state.acc[h][j];
-        }
-      }
-      __syncthreads();
-#pragma unroll
-      for (int i = 0; i < M::kChannelsPerThread; ++i) {
-        const int c = threadIdx.x + i * kThreads, h = c / HD, d = c % HD;
-        if (c < M::kChannels) {
-          float m[M::kSlots], l[M::kSlots], a[M::kSlots];
-#pragma unroll
-          for (int w = 0; w < M::kSlots; ++w) m[w] = sh.merge.max[w][h], l[w] = sh.merge.sum[w][h], a[w] = sh.merge.acc[w][h][d];
-          channel[i].fold(m, l, a);
-        }
-      }
-      if (round + 1 < M::kRounds) __syncthreads();  // the next round overwrites the slots
-    }
+    __syncthreads();
 #pragma unroll
     for (int i = 0; i < M::kChannelsPerThread; ++i) {
       const int c = threadIdx.x + i * kThreads, h = c / HD, d = c % HD;
       if (c < M::kChannels) {
-        float* out = partials + (static_cast<size_t>(g * G + h) * kMaxSplits + split) * kPartialStride;
-        out[d] = channel[i].acc;
-        if (d == 0) out[HD] = channel[i].max, out[HD + 1] = channel[i].sum;
-      }
-    }
-
-    // The CTA that completes KV head g's last split combines all of g's splits.
-    __syncthreads();
-    if (threadIdx.x == 0) {  // acq_rel: our partial is visible before the count, the others' after it
-      unsigned before;
-      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(split_counters + g) : "memory");
-      sh.is_last_split = before == static_cast<unsigned>(splits - 1);
-    }
-    __syncthreads();
-    if (sh.is_last_split) {
-      // A thread per output channel (h, d) folds the splits in chunks of kCombineChunk with an
-      // online softmax: every load of a chunk is issued before its first use, so up to
-      // kCombineChunk splits cost one L2 round trip.
-      for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
-        const int h = idx / HD, d = idx % HD;
-        const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride;
-        ChannelSoftmax run;
-        for (int s0 = 0; s0 < splits; s0 += kCombineChunk) {
-          float m[kCombineChunk], l[kCombineChunk], a[kCombineChunk];
+        float m[M::kSlots], l[M::kSlots], a[M::kSlots];
 #pragma unroll
-          for (int i = 0; i < kCombineChunk; ++i) {
-            const float* split_part = part + (s0 + i) * kPartialStride;
-            const bool valid = s0 + i < splits;
-            m[i] = valid ? __ldcg(split_part + HD) : kNegInf;
-            l[i] = valid ? __ldcg(split_part + HD + 1) : 0.f;
-            a[i] = valid ? __ldcg(split_part + d) : 0.f;
-          }
-          run.fold(m, l, a);
-        }
-        attn_out[(g * G + h) * HD + d] = __float2bfloat16(run.acc / run.sum);
+        for (int w = 0; w < M::kSlots; ++w) m[w] = sh.merge.max[w][h], l[w] = sh.merge.sum[w][h], a[w] = sh.merge.acc[w][h][d];
+        channel[i].fold(m, l, a);
       }
-      if (threadIdx.x == 0) split_counters[g] = 0;
     }
-    __syncthreads();  // shared q and merge buffers are reused by the next item
+    if (round + 1 < M::kRounds) __syncthreads();  // the next round overwrites the slots
+  }
+#pragma unroll
+  for (int i = 0; i < M::kChannelsPerThread; ++i) {
+    const int c = threadIdx.x + i * kThreads, h = c / HD, d = c % HD;
+    if (c < M::kChannels) {
+      float* out = partials + (static_cast<size_t>(g * G + h) * kMaxSplits + split) * kPartialStride;
+      out[d] = channel[i].acc;
+      if (d == 0) out[HD] = channel[i].max, out[HD + 1] = channel[i].sum;
+    }
+  }
+
+  // The CTA that completes KV head g's last split combines all of g's splits.
+  __syncthreads();
+  if (threadIdx.x == 0) {  // acq_rel: our partial is visible before the count, the others' after it
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(split_counters + g) : "memory");
+    sh.is_last_split = before == static_cast<unsigned>(splits - 1);
+  }
+  __syncthreads();
+  if (sh.is_last_split) {
+    // A thread per output channel (h, d) folds the splits in chunks of kCombineChunk with an
+    // online softmax: every load of a chunk is issued before its first use, so up to
+    // kCombineChunk splits cost one L2 round trip.
+    for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
+      const int h = idx / HD, d = idx % HD;
+      const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride;
+      ChannelSoftmax run;
+      for (int s0 = 0; s0 < splits; s0 += kCombineChunk) {
+        float m[kCombineChunk], l[kCombineChunk], a[kCombineChunk];
+#pragma unroll
+        for (int i = 0; i < kCombineChunk; ++i) {
+          const float* split_part = part + (s0 + i) * kPartialStride;
+          const bool valid = s0 + i < splits;
+          m[i] = valid ? __ldcg(split_part + HD) : kNegInf;
+          l[i] = valid ? __ldcg(split_part + HD + 1) : 0.f;
+          a[i] = valid ? __ldcg(split_part + d) : 0.f;
+        }
+        run.fold(m, l, a);
+      }
+      attn_out[(g * G + h) * HD + d] = __float2bfloat16(run.acc / run.sum);
+    }
+    if (threadIdx.x == 0) split_counters[g] = 0;
   }
 }
 

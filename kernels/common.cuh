@@ -107,6 +107,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// Thread 0 makes the CTA's writes visible, then adds `value` to `counter`; returns the count before
+// the add (meaningful in thread 0).
+__device__ __forceinline__ unsigned publish_and_add(unsigned* counter, unsigned value) {
+  __syncthreads();
+  unsigned before = 0;
+  if (threadIdx.x == 0) {
+    __threadfence();  // this CTA's writes are visible before its arrival is
+    before = atomicAdd(counter, value);
+  }
+  return before;
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* counter) {
+  unsigned now;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
+  return now;
+}
+
 // Grid-wide barrier on one zero-initialised counter in global memory. Every CTA adds 1 except CTA 0,
 // which adds 2^31 - (grid - 1): the counter's top bit flips exactly when the last CTA arrives and its
 // low bits return to zero, so the same counter serves every barrier of every launch without a reset.
@@ -118,22 +136,13 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // the CTA, and every read of another CTA's data goes to L2 (ld.cg / ld.acquire), never to a
 // possibly stale L1 line.
 __device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
-  __syncthreads();
-  unsigned before = 0;
-  if (threadIdx.x == 0) {
-    const unsigned arrive = blockIdx.x == 0 ? kBarrierFlipBit - (gridDim.x - 1) : 1u;
-    __threadfence();  // this CTA's writes of the stage are visible before its arrival is
-    before = atomicAdd(counter, arrive);
-  }
-  return before;  // meaningful in thread 0
+  return publish_and_add(counter, blockIdx.x == 0 ? kBarrierFlipBit - (gridDim.x - 1) : 1u);
 }
 
 __device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned before) {
   if (threadIdx.x == 0) {
-    unsigned now;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(counter) : "memory");
-    } while (((before ^ now) & kBarrierFlipBit) == 0);
+    while (((before ^ load_acquire(counter)) & kBarrierFlipBit) == 0) {
+    }
   }
   __syncthreads();
 }
@@ -148,6 +157,17 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, Between between)
 
 __device__ __forceinline__ void grid_barrier(unsigned* counter) {
   grid_wait(counter, grid_arrive(counter));
+}
+
+// A wait finer than the grid barrier: a counter that a known set of CTAs each bump once per round
+// after their writes (publish_and_add(counter, 1)), and that a reader of those writes waits on
+// until the round's count. It only grows within a launch; the launch's last CTA zeroes it.
+__device__ __forceinline__ void wait_for_count(const unsigned* counter, unsigned target) {
+  if (threadIdx.x == 0) {
+    while (load_acquire(counter) < target) {
+    }
+  }
+  __syncthreads();
 }
 
 __device__ __forceinline__ unsigned long long global_timer_ns() {

@@ -1,7 +1,8 @@
 // The batch-1 decode megakernel: one persistent cooperative launch runs a whole decode step of a
 // Llama 3 / Qwen3 dense model, from the embedding lookup to the greedy argmax.
 //
-// Per layer, five stages separated by grid barriers (every stage needs all of the previous one):
+// Per layer, five stages separated by grid barriers (every stage needs all of the previous one),
+// except that attention on a KV head waits only for that head's q, k and v rows (HeadRows):
 //   1. RMSNorm (recomputed per CTA into shared memory) + QKV GEMV           -> qkv
 //   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention + combine -> attn_out
 //      (RoPE's cos/sin are computed once per step into shared memory: the same for every layer)
@@ -47,8 +48,12 @@ struct ModelShape {
 
 // Step state in device memory (int32 each).
 enum StateSlot { kStateToken = 0, kStatePos = 1, kStateArgmax = 2, kStateSlots = 4 };
-// Counters in device memory (uint32, zero-initialised once).
+// Counters in device memory (uint32, zero-initialised once): the grid barrier, the argmax's count,
+// attention's split counts (one per KV head), then the counts of CTAs that have written each KV
+// head's QKV rows (kCounterHeadRows, one per KV head; zeroed by the step's last CTA).
 enum CounterSlot { kCounterBarrier = 0, kCounterArgmaxDone = 1, kCounterSplits = 2 };
+template <class S>
+constexpr int kCounterHeadRows = kCounterSplits + S::kv_heads;
 
 // One layer's weights (row-major bf16) and KV cache row, as a table in device memory.
 struct LayerWeights {
@@ -77,29 +82,59 @@ __device__ __forceinline__ const bf16* qkv_row(const LayerWeights& w, int r) {
                                     : w.wv + static_cast<size_t>(r - S::q_dim - S::kv_dim) * S::hidden;
 }
 
+// KV head g's rows of the QKV projection - its group's query heads, its key, its value - are
+// computed by CTAs [g * P, (g + 1) * P) of the grid, P = grid / kv_heads (the grid % kv_heads
+// left-over CTAs run the stage with no rows), which then count themselves on g's counter:
+// attention on head g waits for P counts per layer instead of a grid barrier, so it starts as soon
+// as its own P CTAs are done. Needs grid >= kv_heads (the launcher checks).
 template <class S>
-struct QkvRows {  // pair p = stacked rows 2p and 2p + 1
+struct HeadRows {
+  static constexpr int kRows = (S::group + 2) * S::head_dim;
+  int head;       // the KV head whose rows this CTA computes
+  CtaRange ctas;  // this CTA's place among the head's P CTAs
+
+  __device__ static HeadRows of_this_cta() {
+    const int per_head = static_cast<int>(gridDim.x) / S::kv_heads, cta = blockIdx.x, head = cta / per_head;
+    if (head < S::kv_heads) return HeadRows{head, CtaRange{cta % per_head, per_head}};
+    // A left-over CTA: a place past every row, so it streams none (and prefetches a row that the
+    // last head's CTAs read anyway). A branch-free stage: skipping it made the kernel spill.
+    return HeadRows{S::kv_heads - 1, CtaRange{kRows, per_head}};
+  }
+  __device__ bool computes_rows() const { return ctas.index < ctas.count; }
+  // The head's row i (of kRows) as a row of the stacked q, k and v projection (and of qkv).
+  __device__ int stacked(int i) const {
+    constexpr int kQueryRows = S::group * S::head_dim;
+    if (i < kQueryRows) return head * kQueryRows + i;
+    i -= kQueryRows;
+    return S::q_dim + (i < S::head_dim ? 0 : S::kv_dim - S::head_dim) + head * S::head_dim + i;
+  }
+};
+
+template <class S>
+struct QkvRows {  // pair p = the head's rows 2p and 2p + 1
   LayerWeights w;
+  HeadRows<S> rows;
   __device__ RowPair operator()(int p) const {
-    const bf16* base = qkv_row<S>(w, 2 * p);  // q_dim and kv_dim are even: a pair never straddles two matrices
+    const bf16* base = qkv_row<S>(w, rows.stacked(2 * p));  // head_dim is even: a pair never straddles two matrices
     return RowPair{base, base + S::hidden};
   }
 };
 
 template <class S>
-struct QkvRowHalves {  // unit r = stacked row r as its two halves, each against its half of x
+struct QkvRowHalves {  // unit r = the head's row r as its two halves, each against its half of x
   LayerWeights w;
+  HeadRows<S> rows;
   __device__ RowPair operator()(int r) const {
-    const bf16* base = qkv_row<S>(w, r);
+    const bf16* base = qkv_row<S>(w, rows.stacked(r));
     return RowPair{base, base + S::hidden / 2, S::hidden / 2 / kVecElems};
   }
 };
 
 // The QKV GEMV hands out single rows (as two half-row streams, kQkvByRows) instead of row pairs
 // when a half row is whole chunks of loads: then a row costs half a pair, and rows fill a last
-// round that pairs leave partial. Llama-3.1-8B on 132 SMs: 3,072 pairs for 2,112 warps take 2
-// rounds of 4 chunks per warp, 6,144 rows take 3 rounds of 2. (Decided at compile time: choosing
-// at run time keeps both variants' registers live and spills.)
+// round that pairs leave partial. Llama-3.1-8B on 132 SMs: a head's 384 pairs for its 16 CTAs'
+// 256 warps take 2 rounds of 4 chunks per warp, its 768 rows take 3 rounds of 2. (Decided at
+// compile time: choosing at run time keeps both variants' registers live and spills.)
 template <class S>
 constexpr bool kQkvByRows = S::hidden % (2 * kVecElems * kWarpSize * kLoadsInFlight) == 0;
 
@@ -173,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 unsigned long long* argmax_partials, unsigned long long* stage_stamps, float rms_eps, int max_seq,
                 int greedy) {
   static_assert(sizeof(SharedStorage<S>) <= kStaticSharedLimit, "shape needs more than 48 KB of shared memory");
-  constexpr int kQkvPairs = S::qkv_dim / 2, kOPairs = S::hidden / 2, kDownPairs = S::hidden / 2;
+  constexpr int kHeadPairs = HeadRows<S>::kRows / 2, kOPairs = S::hidden / 2, kDownPairs = S::hidden / 2;
   constexpr int kGateUpPairs = S::intermediate, kLmHeadPairs = (S::vocab + 1) / 2;
   __shared__ SharedStorage<S> sh;
   // stage_stamps: kStamps stamps of CTA 0, then kBarriers x grid arrivals (see StageTimer)
@@ -186,13 +221,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
   sh.rope.fill(rope_inv_freq, pos);  // published by layer 0's RMSNorm's __syncthreads
   unsigned* barrier = counters + kCounterBarrier;
+  unsigned* head_rows_done = counters + kCounterHeadRows<S>;
+  const HeadRows<S> head_rows = HeadRows<S>::of_this_cta();
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
   const auto prefetch_qkv = [&](const LayerWeights& w) {
     if constexpr (kQkvByRows<S>)
-      return prefetch_weights<S::hidden / 2>(S::qkv_dim, QkvRowHalves<S>{w});
+      return prefetch_weights<S::hidden / 2>(HeadRows<S>::kRows, head_rows.ctas, QkvRowHalves<S>{w, head_rows});
     else
-      return prefetch_weights<S::hidden>(kQkvPairs, QkvRows<S>{w});
+      return prefetch_weights<S::hidden>(kHeadPairs, head_rows.ctas, QkvRows<S>{w, head_rows});
   };
   WeightChunk ahead = prefetch_qkv(layers[0]);
 
@@ -202,39 +239,48 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     rms_norm_to_shared<S::hidden>(residual, w.attn_norm, rms_eps, sh.x, sh.reduce);
     if constexpr (kQkvByRows<S>)
-      gemv_row_pairs<S::hidden / 2>(S::qkv_dim, sh.x, QkvRowHalves<S>{w}, sh.split_sums, ahead,
-                                    [&](int r, float d0, float d1) { qkv[r] = __float2bfloat16(d0 + d1); });
+      gemv_row_pairs<S::hidden / 2>(HeadRows<S>::kRows, head_rows.ctas, sh.x, QkvRowHalves<S>{w, head_rows},
+                                    sh.split_sums, ahead, [&](int r, float d0, float d1) {
+        qkv[head_rows.stacked(r)] = __float2bfloat16(d0 + d1);
+      });
     else
-      gemv_row_pairs<S::hidden>(kQkvPairs, sh.x, QkvRows<S>{w}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
-        reinterpret_cast<__nv_bfloat162*>(qkv)[p] = __floats2bfloat162_rn(d0, d1);
+      gemv_row_pairs<S::hidden>(kHeadPairs, head_rows.ctas, sh.x, QkvRows<S>{w, head_rows}, sh.split_sums, ahead,
+                                [&](int p, float d0, float d1) {
+        reinterpret_cast<__nv_bfloat162*>(qkv)[head_rows.stacked(2 * p) / 2] = __floats2bfloat162_rn(d0, d1);
       });
     const LayerCache cache{w.k_cache, w.v_cache};
-    end_stage(timer, barrier, [&] { issue_first_block<S>(cache, pos, max_seq, sh.attention); });
+    timer.arrive();
+    if (head_rows.computes_rows()) publish_and_add(head_rows_done + head_rows.head, 1u);
+    // Attention waits for its KV head's P CTAs only; its first key block is copied meanwhile.
+    issue_first_block<S>(cache, pos, max_seq, sh.attention);
+    const int attention_head = cta_work_item<S>(pos, max_seq).g;
+    if (attention_head >= 0) wait_for_count(head_rows_done + attention_head, (l + 1) * head_rows.ctas.count);
+    timer.mark();
 
     attention_stage<S>(qkv, cache, w.q_norm, w.k_norm, sh.rope, pos, max_seq, rms_eps, attn_partials,
                        counters + kCounterSplits, attn_out, sh.attention);
-    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, OProjRows<S>{w.wo}); });
+    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, whole_grid(), OProjRows<S>{w.wo}); });
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
     const auto residual_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p); };
-    gemv_row_pairs<S::q_dim>(kOPairs, sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead, residual_pair,
+    gemv_row_pairs<S::q_dim>(kOPairs, whole_grid(), sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead, residual_pair,
                              [&](int p, float d0, float d1, __nv_bfloat162 res2) {
       const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, GateUpRows<S>{w}); });
+    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, whole_grid(), GateUpRows<S>{w}); });
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(kGateUpPairs, sh.x, GateUpRows<S>{w}, sh.split_sums, ahead, [&](int i, float gate, float up) {
+    gemv_row_pairs<S::hidden>(kGateUpPairs, whole_grid(), sh.x, GateUpRows<S>{w}, sh.split_sums, ahead, [&](int i, float gate, float up) {
       const float g = bf16_round(gate);
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
     });
-    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, DownRows<S>{w.w_down}); });
+    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, whole_grid(), DownRows<S>{w.w_down}); });
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
     const auto hidden_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(hidden) + p); };
-    gemv_row_pairs<S::intermediate>(kDownPairs, sh.x, DownRows<S>{w.w_down}, sh.split_sums, ahead, hidden_pair,
+    gemv_row_pairs<S::intermediate>(kDownPairs, whole_grid(), sh.x, DownRows<S>{w.w_down}, sh.split_sums, ahead, hidden_pair,
                                     [&](int p, float d0, float d1, __nv_bfloat162 res2) {
       const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
@@ -243,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (l + 1 < S::layers)
         ahead = prefetch_qkv(layers[l + 1]);
       else
-        ahead = prefetch_weights<S::hidden>(kLmHeadPairs, LmHeadRows<S>{lm_head});
+        ahead = prefetch_weights<S::hidden>(kLmHeadPairs, whole_grid(), LmHeadRows<S>{lm_head});
     });
   }
 
@@ -251,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // argmax (first maximum on ties) matches it.
   rms_norm_to_shared<S::hidden>(hidden, final_norm, rms_eps, sh.x, sh.reduce);
   unsigned long long best = 0;
-  gemv_row_pairs<S::hidden>(kLmHeadPairs, sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
+  gemv_row_pairs<S::hidden>(kLmHeadPairs, whole_grid(), sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
     const float l0 = bf16_round(d0), l1 = bf16_round(d1);
     logits[2 * p] = l0;
     const unsigned long long k0 = argmax_key(l0, 2 * p);
@@ -276,13 +322,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     __threadfence();
   }
   __syncthreads();
-  if (sh.reduce[0] != 0.f && warp == 0) {  // the last CTA: every other CTA has read token and pos
+  if (sh.reduce[0] != 0.f && warp == 0) {  // the last CTA: every other CTA has read token, pos and the counts
     unsigned long long grid_best = 0;
     for (int i = lane; i < static_cast<int>(gridDim.x); i += kWarpSize) {
       const unsigned long long k = __ldcg(argmax_partials + i);
       grid_best = k > grid_best ? k : grid_best;
     }
     grid_best = warp_max(grid_best);
+    for (int g = lane; g < S::kv_heads; g += kWarpSize) head_rows_done[g] = 0;
     if (lane == 0) {
       const int next = argmax_key_index(grid_best);
       state[kStateArgmax] = next;

@@ -71,20 +71,30 @@ __device__ __forceinline__ void rms_norm_to_shared(const bf16* x, const bf16* we
 }
 
 // How many warps share one row pair, each reading a 1/split slice of K: only when whole rows would
-// leave at least half of the grid's warps idle (Llama-3.2-1B's O and down: 1,024 pairs for 2,112
+// leave at least half of the streaming warps idle (Llama-3.2-1B's O and down: 1,024 pairs for 2,112
 // warps on 132 SMs), the largest power of 2 with split * pairs <= warps. Each slice keeps
 // kLoadsInFlight loads per lane and row, and split divides the CTA's warps. (Measured on H200:
 // splitting to even out a last partial round - 8B QKV's 1.45 rounds, gate/up's 6.8, the LM head's
 // 30.4 - was slower, up to 2.6x on 8B gate/up: the per-round __syncthreads and the shorter slices
 // cost more than the idle warps.)
 template <int K>
-__device__ __forceinline__ int k_split(int num_pairs, int grid_warps) {
+__device__ __forceinline__ int k_split(int num_pairs, int streaming_warps) {
   constexpr int kVecs = K / kVecElems;
   int split = 1;
-  while (2 * split <= kWarps && 2 * split * num_pairs <= grid_warps &&
+  while (2 * split <= kWarps && 2 * split * num_pairs <= streaming_warps &&
          kVecs % (2 * split * kWarpSize * kLoadsInFlight) == 0)
     split *= 2;
   return split;
+}
+
+// The CTAs that stream a GEMV's rows: this CTA is number `index` of `count`. Usually the whole
+// grid; the QKV projection gives each KV head's rows to a group of CTAs of their own.
+struct CtaRange {
+  int index, count;
+};
+
+__device__ __forceinline__ CtaRange whole_grid() {
+  return CtaRange{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
 }
 
 // A warp's share of a GEMV: row pairs first_pair, first_pair + pair_stride, ..., each over the
@@ -94,13 +104,13 @@ struct WarpShare {
 };
 
 template <int K>
-__device__ __forceinline__ WarpShare warp_share(int num_pairs) {
+__device__ __forceinline__ WarpShare warp_share(int num_pairs, CtaRange ctas) {
   constexpr int kVecs = K / kVecElems;
   const int warp = threadIdx.x / kWarpSize;
-  const int split = k_split<K>(num_pairs, gridDim.x * kWarps);
+  const int split = k_split<K>(num_pairs, ctas.count * kWarps);
   const int pairs_per_cta = kWarps / split, slice = warp % split, slice_vecs = kVecs / split;
-  return WarpShare{split, static_cast<int>(blockIdx.x) * pairs_per_cta + warp / split,
-                   static_cast<int>(gridDim.x) * pairs_per_cta, slice * slice_vecs, (slice + 1) * slice_vecs};
+  return WarpShare{split, ctas.index * pairs_per_cta + warp / split, ctas.count * pairs_per_cta, slice * slice_vecs,
+                   (slice + 1) * slice_vecs};
 }
 
 // kLoadsInFlight 16-byte loads per lane from each row of a pair, starting at vector `base`.
@@ -125,8 +135,8 @@ __device__ __forceinline__ void load_chunk(const RowPair& pair, int base, int en
 // wait and the staging of the input vector instead of after them. (A warp with no pair in this
 // GEMV loads the last pair's chunk, which that pair's warp reads too, and never uses it.)
 template <int K, class Rows>
-__device__ __forceinline__ WeightChunk prefetch_weights(int num_pairs, Rows rows) {
-  const WarpShare share = warp_share<K>(num_pairs);
+__device__ __forceinline__ WeightChunk prefetch_weights(int num_pairs, CtaRange ctas, Rows rows) {
+  const WarpShare share = warp_share<K>(num_pairs, ctas);
   WeightChunk chunk;
   load_chunk(rows(min(share.first_pair, num_pairs - 1)), share.begin, share.end, threadIdx.x % kWarpSize, chunk);
   return chunk;
@@ -157,18 +167,19 @@ __device__ __forceinline__ float2 dot_rows2(const RowPair& pair, const bf16* x, 
   return make_float2(warp_sum(acc0), warp_sum(acc1));
 }
 
-// Every warp of the grid takes pairs of rows in turn. rows(p) -> {w0, w1} gives pair p's two rows
+// Every warp of the CTAs `ctas` takes pairs of rows in turn. rows(p) -> {w0, w1} gives pair p's two rows
 // (each K long); lane 0 of one warp then calls epilogue(p, dot0, dot1, operand(p)), where
 // operand(p) (e.g. the residual the result adds to) is loaded before the pair's dot product, so its
 // latency runs under the weights'. `ahead` is this warp's prefetch_weights for the same GEMV. When
 // warps share a pair (k_split), they are warps of one CTA and add their slices through split_sums
 // (shared, [kWarps]).
 template <int K, class Rows, class Operand, class Epilogue>
-__device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Rows rows, float2* split_sums,
-                                               const WeightChunk& ahead, Operand operand, Epilogue epilogue) {
+__device__ __forceinline__ void gemv_row_pairs(int num_pairs, CtaRange ctas, const bf16* x, Rows rows,
+                                               float2* split_sums, const WeightChunk& ahead, Operand operand,
+                                               Epilogue epilogue) {
   static_assert(K % kVecElems == 0, "row length must be a multiple of 8");
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const WarpShare share = warp_share<K>(num_pairs);
+  const WarpShare share = warp_share<K>(num_pairs, ctas);
   if (share.split == 1) {
     for (int p = share.first_pair; p < num_pairs; p += share.pair_stride) {
       const auto value = operand(p);
@@ -199,9 +210,9 @@ __device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Row
 
 // The same for an epilogue that needs no operand: epilogue(p, dot0, dot1).
 template <int K, class Rows, class Epilogue>
-__device__ __forceinline__ void gemv_row_pairs(int num_pairs, const bf16* x, Rows rows, float2* split_sums,
-                                               const WeightChunk& ahead, Epilogue epilogue) {
-  gemv_row_pairs<K>(num_pairs, x, rows, split_sums, ahead, [](int) { return 0; },
+__device__ __forceinline__ void gemv_row_pairs(int num_pairs, CtaRange ctas, const bf16* x, Rows rows,
+                                               float2* split_sums, const WeightChunk& ahead, Epilogue epilogue) {
+  gemv_row_pairs<K>(num_pairs, ctas, x, rows, split_sums, ahead, [](int) { return 0; },
                     [&](int p, float d0, float d1, int) { epilogue(p, d0, d1); });
 }
 

@@ -26,7 +26,8 @@ from .shape import MAX_SPLITS, THREADS, KernelShape
 
 # decode_step.cu's enums and constants, mirrored.
 STATE_TOKEN, STATE_POS, STATE_ARGMAX, STATE_SLOTS = 0, 1, 2, 4
-COUNTER_SPLITS = 2  # counters: barrier, argmax-done, then one per KV head
+COUNTER_SPLITS = 2  # counters: barrier, argmax-done, then two per KV head (split count, QKV rows done)
+COUNTERS_PER_KV_HEAD = 2
 STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "gate_up", "down")
 FINAL_STAGE = "lm_head"
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -133,13 +134,14 @@ class DecodeStep:
         if blocks_per_sm < 1:
             raise RuntimeError(f"the megakernel for {self.shape} cannot fit one CTA of {THREADS} threads on an SM")
         self.grid = cuda_device.properties.multiprocessor_count  # one persistent CTA per SM
+        self.shape.check_grid(self.grid)
         self._config = LaunchConfig(grid=self.grid, block=THREADS, is_cooperative=True)
         self._cuda_device = cuda_device
         self._streams: dict[int, object] = {}
 
         shape, dev = self.shape, self.device
         self.state = torch.zeros(STATE_SLOTS, dtype=torch.int32, device=dev)
-        self.counters = torch.zeros(COUNTER_SPLITS + shape.kv_heads, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(COUNTER_SPLITS + COUNTERS_PER_KV_HEAD * shape.kv_heads, dtype=torch.int32, device=dev)
         self.hidden = torch.empty(shape.hidden, dtype=KERNEL_DTYPE, device=dev)
         self.qkv = torch.empty(shape.q_dim + 2 * shape.kv_dim, dtype=KERNEL_DTYPE, device=dev)
         self.attn_out = torch.empty(shape.q_dim, dtype=KERNEL_DTYPE, device=dev)

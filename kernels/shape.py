@@ -123,6 +123,14 @@ class KernelShape:
         rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
         return max(BF16_BYTES * self.max_input, attention) + rope + SHARED_RESERVED
 
+    def check_grid(self, ctas: int) -> None:
+        """The kernel gives each KV head's QKV rows and attention to CTAs of their own (one persistent
+        CTA per SM): a GPU with fewer SMs than KV heads cannot run it."""
+        if ctas < self.kv_heads:
+            raise UnsupportedShapeError(
+                f"the megakernel needs at least one CTA per KV head: {self.kv_heads} KV heads on a GPU of {ctas} SMs"
+            )
+
     @property
     def template_args(self) -> str:
         qk_norm = "true" if self.qk_norm else "false"

@@ -37,6 +37,12 @@ SHAPES = {
         head_dim=128, tie_word_embeddings=True, num_hidden_layers=3, rope_scaling=LLAMA31_SCALING,
         initializer_range=INIT_GAIN / 512**0.5,
     ),
+    # 8 KV heads: the grid (132 SMs on H200) is not a multiple of them, so some CTAs compute no QKV
+    # rows; head_dim 64, GQA 4 (Llama-3.2-1B's attention), untied, 2 layers
+    "llama-hd64-gqa4-kv8": dict(
+        family="llama", hidden_size=512, intermediate_size=1024, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, tie_word_embeddings=False, num_hidden_layers=2, initializer_range=INIT_GAIN / 512**0.5,
+    ),
     # hidden 2,048 (a half row of QKV is whole chunks of loads, so QKV goes by single rows, as on the
     # 1B and 8B checkpoints), head_dim 128, GQA 4, untied, 2 layers
     "llama-h2048-gqa4": dict(

@@ -61,3 +61,10 @@ def test_the_demo_model_runs_on_the_megakernel(tmp_path):
 def test_unsupported_shapes_are_refused_clearly(change, message):
     with pytest.raises(UnsupportedShapeError, match=message):
         KernelShape(**(TINY | change))
+
+
+def test_a_grid_smaller_than_the_kv_heads_is_refused():
+    shape = KernelShape(**(TINY | {"heads": 8, "kv_heads": 8}))
+    shape.check_grid(8)  # one CTA per KV head is enough
+    with pytest.raises(UnsupportedShapeError, match="8 KV heads on a GPU of 7 SMs"):
+        shape.check_grid(7)
