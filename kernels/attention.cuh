@@ -135,8 +135,8 @@ __device__ __forceinline__ WorkItem cta_work_item(int pos, int max_seq) {
   const int item = blockIdx.x;
   if (item >= S::kv_heads * plan.splits) return WorkItem{-1, 0, 0, 0, 0, 0};
   const int g = item / plan.splits, split = item % plan.splits, begin = split * plan.chunk;
-  return WorkItem{g,     split, plan.splits, begin, min(pos + 1, begin + plan.chunk),
-                  static_cast<size_t>(g) * max_seq * S::head_dim};
+  const size_t head_offset = static_cast<size_t>(g) * max_seq * S::head_dim;
+  return WorkItem{g, split, plan.splits, begin, min(pos + 1, begin + plan.chunk), head_offset};
 }
 
 // The K and V rows of this warp's first block of keys, copied into sh.first_block while the CTA
