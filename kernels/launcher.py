@@ -72,7 +72,10 @@ class StageTimes:
     is from the median CTA's arrival at the closing barrier to the last one's (how late the slowest
     CTAs finish: uneven work, or SMs that the memory system served late; from the median, not the
     first arrival, because CTAs with no rows in a GEMV arrive at once), `release` from the last
-    arrival to CTA 0 passing the barrier (its own latency).
+    arrival to CTA 0 passing the barrier (its own latency). QKV ends at per-KV-head counts, not a
+    grid barrier: its `release` is from the last CTA of any head to CTA 0 passing the wait for its
+    own head's rows (negative when another head finished later), and attention's tail counts CTAs
+    with no attention work, which arrive before CTA 0 starts it.
     """
 
     seconds: dict[str, float]
