@@ -15,8 +15,8 @@
 // Weights need nothing from the stage before them, so each GEMV's first weight chunk per warp is
 // loaded while its CTA waits at the grid barrier in front of it (prefetch_weights), and so is the
 // first block of keys and values of each warp's attention while the CTA waits for its head's QKV
-// rows (issue_first_block: keys before the new position come from earlier steps); a residual that an epilogue adds is loaded before the dot
-// product it waits for (gemv_row_pairs' operand).
+// rows (issue_first_block: keys before the new position come from earlier steps); a residual
+// that an epilogue adds is loaded before the dot product it waits for (gemv_row_pairs' operand).
 #include "attention.cuh"
 #include "common.cuh"
 #include "gemv.cuh"
@@ -263,25 +263,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
     const auto residual_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p); };
-    gemv_row_pairs<S::q_dim>(kOPairs, whole_grid(), sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead, residual_pair,
-                             [&](int p, float d0, float d1, __nv_bfloat162 res2) {
+    gemv_row_pairs<S::q_dim>(kOPairs, whole_grid(), sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead,
+                             residual_pair, [&](int p, float d0, float d1, __nv_bfloat162 res2) {
       const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
-    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, whole_grid(), GateUpRows<S>{w}); });
+    end_stage(timer, barrier,
+              [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, whole_grid(), GateUpRows<S>{w}); });
 
     rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(kGateUpPairs, whole_grid(), sh.x, GateUpRows<S>{w}, sh.split_sums, ahead, [&](int i, float gate, float up) {
+    gemv_row_pairs<S::hidden>(kGateUpPairs, whole_grid(), sh.x, GateUpRows<S>{w}, sh.split_sums, ahead,
+                              [&](int i, float gate, float up) {
       const float g = bf16_round(gate);
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
     });
-    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, whole_grid(), DownRows<S>{w.w_down}); });
+    end_stage(timer, barrier,
+              [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, whole_grid(), DownRows<S>{w.w_down}); });
 
     stage_to_shared<S::intermediate>(mlp_act, sh.x);
     const auto hidden_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(hidden) + p); };
-    gemv_row_pairs<S::intermediate>(kDownPairs, whole_grid(), sh.x, DownRows<S>{w.w_down}, sh.split_sums, ahead, hidden_pair,
-                                    [&](int p, float d0, float d1, __nv_bfloat162 res2) {
+    gemv_row_pairs<S::intermediate>(kDownPairs, whole_grid(), sh.x, DownRows<S>{w.w_down}, sh.split_sums, ahead,
+                                    hidden_pair, [&](int p, float d0, float d1, __nv_bfloat162 res2) {
       const float2 res = __bfloat1622float2(res2);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
     });
@@ -297,7 +300,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // argmax (first maximum on ties) matches it.
   rms_norm_to_shared<S::hidden>(hidden, final_norm, rms_eps, sh.x, sh.reduce);
   unsigned long long best = 0;
-  gemv_row_pairs<S::hidden>(kLmHeadPairs, whole_grid(), sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, ahead, [&](int p, float d0, float d1) {
+  gemv_row_pairs<S::hidden>(kLmHeadPairs, whole_grid(), sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, ahead,
+                            [&](int p, float d0, float d1) {
     const float l0 = bf16_round(d0), l1 = bf16_round(d1);
     logits[2 * p] = l0;
     const unsigned long long k0 = argmax_key(l0, 2 * p);
