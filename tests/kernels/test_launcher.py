@@ -45,3 +45,16 @@ def test_stamps_and_arrivals_must_describe_whole_layers():
         StageTimes.from_stamps(stamps, arrivals[:-1])
     with pytest.raises(ValueError, match="whole layers"):
         StageTimes.from_stamps(stamps[:-1], arrivals[:-1])
+
+
+def test_a_head_that_finishes_qkv_after_cta_0_starts_attention_makes_its_release_negative():
+    """QKV ends at per-KV-head counts: CTA 0 starts attention once its own head's rows are written,
+    so a CTA of another head may arrive later, and the release is measured from that last arrival."""
+    stamps, arrivals = two_layer_step()
+    qkv_barriers = range(0, len(arrivals), len(STAGES_PER_LAYER))
+    for barrier in qkv_barriers:
+        arrivals[barrier][4] = stamps[barrier + 1] + 3 * MS  # 3 ms after CTA 0 passed its wait
+    times = StageTimes.from_stamps(stamps, arrivals)
+    assert times.release["qkv"] == pytest.approx(-0.006)  # two layers, -3 ms each
+    assert times.tail["qkv"] == pytest.approx(0.012)  # median 7 ms to the late arrival at 13, twice
+    assert times.release["attention"] == pytest.approx(0.002)  # the grid barriers are unchanged
