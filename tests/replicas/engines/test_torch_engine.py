@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from prometheus_client import REGISTRY
@@ -23,6 +24,7 @@ from tests.model_factory import make_tiny_model
 
 VOCAB = 512  # tests.model_factory's tiny shape
 ONE_BY_ONE = CoalescePolicy(seconds=0.0, tokens=1)  # every token its own item: easy to read
+SLOW_STEP_SECONDS = 0.05  # a step far slower than the event loop takes to pass a token on
 
 
 def _prompt(length: int, seed: int) -> tuple[int, ...]:
@@ -147,8 +149,15 @@ async def test_yield_rule_first_alone_then_by_count_then_finish(make_engine):
         assert item.prompt_tokens == len(prompt)
 
 
-async def test_yield_rule_by_time_sends_every_token_when_steps_are_slow(make_engine):
+async def test_yield_rule_by_time_sends_every_token_when_steps_are_slow(make_engine, monkeypatch):
     engine = make_engine(coalesce=CoalescePolicy(seconds=0.0, tokens=100))
+    forward = engine.model.forward
+
+    def slow_forward(*args, **kwargs):  # on the engine's thread; the tiny model alone steps in well
+        time.sleep(SLOW_STEP_SECONDS)  # under a millisecond, faster than a loaded loop may hand on
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", slow_forward)
     items = await _collect(engine, _request(_prompt(4, 9), max_tokens=5))
     assert [len(item.token_ids) for item in items[:-1]] == [1, 1, 1, 1]
     assert len(items[-1].token_ids) <= 1 and items[-1].finish_reason == FinishReason.LENGTH
