@@ -149,15 +149,21 @@ async def test_yield_rule_first_alone_then_by_count_then_finish(make_engine):
         assert item.prompt_tokens == len(prompt)
 
 
-async def test_yield_rule_by_time_sends_every_token_when_steps_are_slow(make_engine, monkeypatch):
-    engine = make_engine(coalesce=CoalescePolicy(seconds=0.0, tokens=100))
+def _make_steps_slow(engine: TorchEngine, monkeypatch) -> None:
+    """Every forward sleeps first, on the engine's thread: the tiny model alone steps in well under
+    a millisecond, faster than a loaded event loop may hand a token on or a test read a gauge."""
     forward = engine.model.forward
 
-    def slow_forward(*args, **kwargs):  # on the engine's thread; the tiny model alone steps in well
-        time.sleep(SLOW_STEP_SECONDS)  # under a millisecond, faster than a loaded loop may hand on
+    def slow_forward(*args, **kwargs):
+        time.sleep(SLOW_STEP_SECONDS)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(engine.model, "forward", slow_forward)
+
+
+async def test_yield_rule_by_time_sends_every_token_when_steps_are_slow(make_engine, monkeypatch):
+    engine = make_engine(coalesce=CoalescePolicy(seconds=0.0, tokens=100))
+    _make_steps_slow(engine, monkeypatch)
     items = await _collect(engine, _request(_prompt(4, 9), max_tokens=5))
     assert [len(item.token_ids) for item in items[:-1]] == [1, 1, 1, 1]
     assert len(items[-1].token_ids) <= 1 and items[-1].finish_reason == FinishReason.LENGTH
@@ -242,8 +248,9 @@ def _sample(name: str, labels: dict[str, str]) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-async def test_step_durations_and_load_gauges_are_recorded(make_engine):
+async def test_step_durations_and_load_gauges_are_recorded(make_engine, monkeypatch):
     engine = make_engine(max_batch=2, tier="throughput", coalesce=ONE_BY_ONE)
+    _make_steps_slow(engine, monkeypatch)  # still running when the gauges are read after its first token
     labels = {"tier": "throughput", "model": engine.model_name}
     stream = engine.generate(_request(_prompt(5, 17), max_tokens=6))
     await anext(stream)
