@@ -1,8 +1,9 @@
-"""A real Prometheus server for tests: loopback, an ephemeral port, a throw-away storage folder."""
+"""A real Prometheus server for tests: loopback, a free port, a throw-away storage folder."""
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import subprocess
@@ -21,10 +22,28 @@ STOP_TIMEOUT_SECONDS = 10.0
 HTTP_TIMEOUT_SECONDS = 10.0
 
 
+# Ports for test servers: above Ray's worker ports (10002-19999 by default) and below the kernel's
+# ephemeral range (Linux: from 32768), which every port-0 bind draws from - and a Ray cluster
+# starting up makes dozens of those, any of which could take a port picked that way before the
+# server it was picked for binds it.
+TEST_PORTS = range(20_000, 32_768)
+PORT_ATTEMPTS = 100
+_handed_out: set[int] = set()  # ports already given to a caller, which may not have bound them yet
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A random port from TEST_PORTS that nothing is bound to now and no earlier call returned."""
+    for port in random.sample(TEST_PORTS, PORT_ATTEMPTS):
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port among {PORT_ATTEMPTS} tries in {TEST_PORTS}")
 
 
 def binary() -> str | None:
