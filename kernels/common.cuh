@@ -43,6 +43,13 @@ __host__ __device__ constexpr int pow2_ceil(int n) {
   return p;
 }
 
+// sums[0..3] += v with one vector atomic at L2 (sm_90: red.global.add.v4.f32; sums 16-byte aligned).
+__device__ __forceinline__ void add_to_global4(float* sums, float4 v) {
+  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(sums), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w)
+               : "memory");
+}
+
 __device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 // The four 32-bit words of a 16-byte vector, each two bf16 (element 0 in the low half). Working on

@@ -1,14 +1,15 @@
 // The batch-1 decode megakernel: one persistent cooperative launch runs a whole decode step of a
 // Llama 3 / Qwen3 dense model, from the embedding lookup to the greedy argmax.
 //
-// Per layer, five stages separated by grid barriers (every stage needs all of the previous one),
+// Per layer, four stages separated by grid barriers (every stage needs all of the previous one),
 // except that attention on a KV head waits only for that head's q, k and v rows (HeadRows):
-//   1. RMSNorm (recomputed per CTA into shared memory) + QKV GEMV           -> qkv
-//   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention + combine -> attn_out
+//   1. residual + down, RMSNorm (recomputed per CTA into shared memory) + QKV GEMV -> qkv
+//   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention + combine       -> attn_out
 //      (RoPE's cos/sin are computed once per step into shared memory: the same for every layer)
-//   3. O-proj GEMV + residual                                               -> hidden
-//   4. RMSNorm + gate/up GEMV + SiLU * up                                   -> mlp_act
-//   5. down GEMV + residual                                                 -> hidden
+//   3. O-proj GEMV + residual + down                                              -> hidden
+//   4. RMSNorm + gate/up GEMV + SiLU * up of the CTA's slice of the intermediate rows (in shared
+//      memory), then down over that slice: fp32 sums over the CTAs                -> down_sums
+//      (the next layer's stages 1 and 3 add them to the residual stream)
 // then final RMSNorm + LM head (logits out, for a sampler) + argmax: block partials, and the last
 // CTA to finish reduces them and advances the step state. Position and input token are read from
 // device memory, so one captured CUDA graph of this launch replays for every step.
@@ -67,7 +68,7 @@ struct LayerWeights {
   const bf16* mlp_norm;   // [H]
   const bf16* w_gate;     // [I, H]
   const bf16* w_up;       // [I, H]
-  const bf16* w_down;     // [H, I]
+  const bf16* w_down_t;   // [I, H]: the down projection's weight, transposed
   bf16* k_cache;          // [kv_heads, max_seq, head_dim] of this sequence's cache row
   bf16* v_cache;
 };
@@ -156,13 +157,17 @@ struct GateUpRows {  // pair i = (gate row i, up row i): one warp produces SiLU(
   }
 };
 
+// The MLP's intermediate rows are split over the CTAs in contiguous slices, [c * I / grid,
+// (c + 1) * I / grid) for CTA c; a slice's activations stay in shared memory, sized for a grid of
+// at least kMinCtas (the launcher checks).
+constexpr int kMinCtas = 96;
 template <class S>
-struct DownRows {
-  const bf16* w_down;
-  __device__ RowPair operator()(int p) const {
-    const bf16* base = w_down + static_cast<size_t>(2 * p) * S::intermediate;
-    return RowPair{base, base + S::intermediate};
-  }
+constexpr int kMaxMlpRowsPerCta = (S::intermediate + kMinCtas - 1) / kMinCtas;
+
+// A row pair's residual and the previous layer's down sums, loaded before O's dot product.
+struct ResidualAndProjection {
+  __nv_bfloat162 residual;
+  float2 down;
 };
 
 template <class S>
@@ -180,6 +185,7 @@ struct SharedStorage {
     alignas(16) bf16 x[S::max_input];  // the GEMV input vector of the current stage
     AttentionShared<S> attention;
   };
+  float act[kMaxMlpRowsPerCta<S>];  // SiLU(gate) * up of the CTA's intermediate rows
   RopeTable<S> rope;
   float reduce[kWarps];
   unsigned long long best[kWarps];
@@ -187,7 +193,7 @@ struct SharedStorage {
 };
 
 constexpr int kStaticSharedLimit = 48 * 1024;
-constexpr int kStagesPerLayer = 5;  // each ends at a grid barrier
+constexpr int kStagesPerLayer = 4;  // each ends at a grid barrier
 
 // A stage ends with every CTA arriving at the grid barrier; `between` runs after this CTA arrives and
 // before it waits (loads that need nothing from the stage), then CTA 0 stamps the next start. (A
@@ -204,12 +210,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     decode_step(const LayerWeights* __restrict__ layers, const bf16* __restrict__ embed,
                 const bf16* __restrict__ final_norm, const bf16* __restrict__ lm_head,
                 const float* __restrict__ rope_inv_freq, int* state, unsigned* counters, bf16* hidden, bf16* qkv,
-                bf16* attn_out, bf16* mlp_act, float* attn_partials, float* logits,
+                bf16* attn_out, float* down_sums, float* attn_partials, float* logits,
                 unsigned long long* argmax_partials, unsigned long long* stage_stamps, float rms_eps, int max_seq,
                 int greedy) {
   static_assert(sizeof(SharedStorage<S>) <= kStaticSharedLimit, "shape needs more than 48 KB of shared memory");
-  constexpr int kHeadPairs = HeadRows<S>::kRows / 2, kOPairs = S::hidden / 2, kDownPairs = S::hidden / 2;
-  constexpr int kGateUpPairs = S::intermediate, kLmHeadPairs = (S::vocab + 1) / 2;
+  constexpr int kHeadPairs = HeadRows<S>::kRows / 2, kOPairs = S::hidden / 2, kLmHeadPairs = (S::vocab + 1) / 2;
   __shared__ SharedStorage<S> sh;
   // stage_stamps: kStamps stamps of CTA 0, then kBarriers x grid arrivals (see StageTimer)
   constexpr int kBarriers = kStagesPerLayer * S::layers, kStamps = kBarriers + 2;
@@ -223,6 +228,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned* barrier = counters + kCounterBarrier;
   unsigned* head_rows_done = counters + kCounterHeadRows<S>;
   const HeadRows<S> head_rows = HeadRows<S>::of_this_cta();
+  // down_sums: [3][hidden] fp32: zeros (layer 0's previous down), then layer l's down sums in
+  // buffer 1 + l % 2, zeroed by every CTA (a slice each) in layer l's O stage: after the grid
+  // barrier that ends their last reads (layer l - 1's O stage) and before the one in front of
+  // layer l's MLP stage, whose CTAs add to them.
+  const auto down_sums_of = [&](int layer) { return down_sums + (1 + layer % 2) * S::hidden; };
+  const int mlp_first = static_cast<int>(blockIdx.x * S::intermediate / gridDim.x);
+  const int mlp_rows = static_cast<int>((blockIdx.x + 1) * S::intermediate / gridDim.x) - mlp_first;
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
   const auto prefetch_qkv = [&](const LayerWeights& w) {
@@ -235,9 +247,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int l = 0; l < S::layers; ++l) {
     const LayerWeights w = layers[l];
-    const bf16* residual = l == 0 ? embed_row : hidden;  // layer 0 reads the embedding in place
+    // The residual stream before this layer is residual + bf16(previous_down); layer 0 reads the
+    // embedding in place.
+    const bf16* residual = l == 0 ? embed_row : hidden;
+    const float* previous_down = l == 0 ? down_sums : down_sums_of(l - 1);
 
-    rms_norm_to_shared<S::hidden>(residual, w.attn_norm, rms_eps, sh.x, sh.reduce);
+    rms_norm_to_shared<S::hidden>(ResidualPlusProjection{residual, previous_down}, w.attn_norm, rms_eps, sh.x,
+                                  sh.reduce);
     if constexpr (kQkvByRows<S>)
       gemv_row_pairs<S::hidden / 2>(HeadRows<S>::kRows, head_rows.ctas, sh.x, QkvRowHalves<S>{w, head_rows},
                                     sh.split_sums, ahead, [&](int r, float d0, float d1) {
@@ -262,32 +278,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, whole_grid(), OProjRows<S>{w.wo}); });
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
-    const auto residual_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p); };
+    // The residual (with the previous layer's down added exactly as the QKV RMSNorm did) plus O.
+    const auto residual_and_down = [&](int p) {
+      return ResidualAndProjection{__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p),
+                                   __ldcg(reinterpret_cast<const float2*>(previous_down) + p)};
+    };
     gemv_row_pairs<S::q_dim>(kOPairs, whole_grid(), sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead,
-                             residual_pair, [&](int p, float d0, float d1, __nv_bfloat162 res2) {
-      const float2 res = __bfloat1622float2(res2);
-      reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
+                             residual_and_down, [&](int p, float d0, float d1, ResidualAndProjection in) {
+      const float2 res = __bfloat1622float2(in.residual);
+      const float h0 = add_projection(res.x, in.down.x), h1 = add_projection(res.y, in.down.y);
+      reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(h0 + bf16_round(d0), h1 + bf16_round(d1));
     });
+    float* layer_down = down_sums_of(l);
+    for (int i = blockIdx.x * kThreads + threadIdx.x; i < S::hidden; i += gridDim.x * kThreads) layer_down[i] = 0.f;
+    const auto gate_up_rows = [&](int p) { return GateUpRows<S>{w}(mlp_first + p); };
     end_stage(timer, barrier,
-              [&] { ahead = prefetch_weights<S::hidden>(kGateUpPairs, whole_grid(), GateUpRows<S>{w}); });
+              [&] { ahead = prefetch_weights<S::hidden>(mlp_rows, CtaRange{0, 1}, gate_up_rows); });
 
-    rms_norm_to_shared<S::hidden>(hidden, w.mlp_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(kGateUpPairs, whole_grid(), sh.x, GateUpRows<S>{w}, sh.split_sums, ahead,
+    // The CTA's slice of the MLP: gate/up rows into shared memory, then down over them.
+    rms_norm_to_shared<S::hidden>(Activations{hidden}, w.mlp_norm, rms_eps, sh.x, sh.reduce);
+    gemv_row_pairs<S::hidden>(mlp_rows, CtaRange{0, 1}, sh.x, gate_up_rows, sh.split_sums, ahead,
                               [&](int i, float gate, float up) {
       const float g = bf16_round(gate);
       const float silu = bf16_round(g / (1.f + __expf(-g)));
-      mlp_act[i] = __float2bfloat16(silu * bf16_round(up));
+      sh.act[i] = bf16_round(silu * bf16_round(up));
     });
-    end_stage(timer, barrier,
-              [&] { ahead = prefetch_weights<S::intermediate>(kDownPairs, whole_grid(), DownRows<S>{w.w_down}); });
-
-    stage_to_shared<S::intermediate>(mlp_act, sh.x);
-    const auto hidden_pair = [&](int p) { return __ldcg(reinterpret_cast<const __nv_bfloat162*>(hidden) + p); };
-    gemv_row_pairs<S::intermediate>(kDownPairs, whole_grid(), sh.x, DownRows<S>{w.w_down}, sh.split_sums, ahead,
-                                    hidden_pair, [&](int p, float d0, float d1, __nv_bfloat162 res2) {
-      const float2 res = __bfloat1622float2(res2);
-      reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(res.x + bf16_round(d0), res.y + bf16_round(d1));
-    });
+    const bf16* down_rows = w.w_down_t + static_cast<size_t>(mlp_first) * S::hidden;
+    ahead = prefetch_transposed<S::hidden>(down_rows, mlp_rows);
+    __syncthreads();  // sh.act is complete
+    gemv_transposed_rows<S::hidden>(down_rows, mlp_rows, sh.act, ahead, layer_down);
     end_stage(timer, barrier, [&] {
       if (l + 1 < S::layers)
         ahead = prefetch_qkv(layers[l + 1]);
@@ -298,7 +317,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Final norm + LM head; logits rounded to bf16 as the reference's bf16 matmul does, so that the
   // argmax (first maximum on ties) matches it.
-  rms_norm_to_shared<S::hidden>(hidden, final_norm, rms_eps, sh.x, sh.reduce);
+  rms_norm_to_shared<S::hidden>(ResidualPlusProjection{hidden, down_sums_of(S::layers - 1)}, final_norm, rms_eps,
+                                sh.x, sh.reduce);
   unsigned long long best = 0;
   gemv_row_pairs<S::hidden>(kLmHeadPairs, whole_grid(), sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, ahead,
                             [&](int p, float d0, float d1) {

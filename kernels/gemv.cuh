@@ -29,11 +29,43 @@ __device__ __forceinline__ void stage_to_shared(const bf16* x, bf16* out) {
   __syncthreads();
 }
 
+// The 16-byte vectors of an activation vector written by other CTAs: vector i = elements [8i, 8i + 8).
+struct Activations {
+  const bf16* x;
+  __device__ uint4 operator()(int i) const { return load_activations16(x + i * kVecElems); }
+};
+
+// The residual stream after a projection, bf16(residual + bf16(projection)), as Hugging Face rounds
+// the projection and then the sum: the down projection arrives as fp32 sums that every CTA added
+// its share to (gemv_transposed_rows).
+__device__ __forceinline__ float add_projection(float residual, float projection) {
+  return bf16_round(residual + bf16_round(projection));
+}
+
+struct ResidualPlusProjection {
+  const bf16* residual;
+  const float* sums;
+  __device__ uint4 operator()(int i) const {
+    const uint4 r = load_activations16(residual + i * kVecElems);
+    const float4 lo = __ldcg(reinterpret_cast<const float4*>(sums) + 2 * i);
+    const float4 hi = __ldcg(reinterpret_cast<const float4*>(sums) + 2 * i + 1);
+    const float o[kVecElems] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    unsigned sum[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = bf16x2_to_float2(word(r, j));
+      sum[j] = float2_to_bf16x2(add_projection(f.x, o[2 * j]), add_projection(f.y, o[2 * j + 1]));
+    }
+    return make_uint4(sum[0], sum[1], sum[2], sum[3]);
+  }
+};
+
 // out (shared, bf16 [N]) = weight * bf16(x * rsqrt(mean(x^2) + eps)), Hugging Face's RMSNorm:
-// statistics in fp32, the normalised value rounded to bf16 before the weight multiplies it. x and
-// the weight are both loaded before the reduction, so the stage pays one load latency, not two.
-template <int N>
-__device__ __forceinline__ void rms_norm_to_shared(const bf16* x, const bf16* weight, float eps, bf16* out,
+// statistics in fp32, the normalised value rounded to bf16 before the weight multiplies it. x(i)
+// loads x's 16-byte vector i (Activations, ResidualPlusProjection); x and the weight are both
+// loaded before the reduction, so the stage pays one load latency, not two.
+template <int N, class Vectors>
+__device__ __forceinline__ void rms_norm_to_shared(Vectors x, const bf16* weight, float eps, bf16* out,
                                                    float* scratch) {
   static_assert(N % kVecElems == 0, "vector length must be a multiple of 8");
   constexpr int kVecs = N / kVecElems;
@@ -45,7 +77,7 @@ __device__ __forceinline__ void rms_norm_to_shared(const bf16* x, const bf16* we
     const int i = threadIdx.x + k * kThreads;
     xs[k] = ws[k] = make_uint4(0, 0, 0, 0);
     if (i < kVecs) {
-      xs[k] = load_activations16(x + i * kVecElems);
+      xs[k] = x(i);
       ws[k] = __ldg(reinterpret_cast<const uint4*>(weight) + i);
     }
 #pragma unroll
@@ -116,6 +148,8 @@ __device__ __forceinline__ WarpShare warp_share(int num_pairs, CtaRange ctas) {
 // kLoadsInFlight 16-byte loads per lane from each row of a pair, starting at vector `base`.
 struct WeightChunk {
   uint4 r0[kLoadsInFlight], r1[kLoadsInFlight];
+  // The chunk as 2 x kLoadsInFlight loads in a row (gemv_transposed_rows); u is a compile-time constant.
+  __device__ __forceinline__ uint4& load(int u) { return u < kLoadsInFlight ? r0[u] : r1[u - kLoadsInFlight]; }
 };
 
 __device__ __forceinline__ void load_chunk(const RowPair& pair, int base, int end, int lane, WeightChunk& chunk) {
@@ -214,6 +248,102 @@ __device__ __forceinline__ void gemv_row_pairs(int num_pairs, CtaRange ctas, con
                                                float2* split_sums, const WeightChunk& ahead, Epilogue epilogue) {
   gemv_row_pairs<K>(num_pairs, ctas, x, rows, split_sums, ahead, [](int) { return 0; },
                     [&](int p, float d0, float d1, int) { epilogue(p, d0, d1); });
+}
+
+// sums (global fp32, [N]) += x . wt over the CTA's `rows` rows: wt is [rows, N] row-major (a
+// GEMV's weight stored transposed, the CTA's rows of it) and x (shared, [rows]) their inputs, so
+// sums[n] += sum_r x[r] * wt[r, n], added atomically: each CTA adds the share of every output that
+// its slice of the input contributes. The down projection runs this way on the slice of the MLP
+// activation that the CTA computed itself, so no grid barrier separates gate/up from down.
+// Warp w owns the N / kWarps columns [w * N / kWarps, (w + 1) * N / kWarps) of every row, a lane
+// 16-byte vectors of them; a chunk is kRowGroups x kVecsPerLane loads per lane, as many as a row
+// pair's chunk, over kRowsPerChunk rows. (8B: 256 columns per warp, a vector per lane, 8 rows per
+// chunk; Llama-3.2-1B: 128 columns, 16 lanes per row, 16 rows per chunk.)
+template <int N>
+struct TransposedTiling {
+  static constexpr int kSlabVecs = N / kWarps / kVecElems;  // one warp's 16-byte vectors of a row
+  static constexpr int kLanesPerRow = kSlabVecs < kWarpSize ? pow2_ceil(kSlabVecs) : kWarpSize;
+  static constexpr int kVecsPerLane = (kSlabVecs + kLanesPerRow - 1) / kLanesPerRow;
+  static constexpr int kRowsPerLoad = kWarpSize / kLanesPerRow;  // rows one warp-wide load covers
+  static constexpr int kRowGroups = 2 * kLoadsInFlight / kVecsPerLane;
+  static constexpr int kRowsPerChunk = kRowGroups * kRowsPerLoad;
+  static_assert(N % (kWarps * kVecElems) == 0, "the output length must be a multiple of 128");
+  static_assert(kRowGroups >= 1, "a lane holds its vectors of a row in one chunk: at most 32,768 outputs");
+};
+
+// Chunk c of the rows (rows [c * kRowsPerChunk, (c + 1) * kRowsPerChunk)), this lane's loads: load
+// u is row group u / kVecsPerLane, the lane's vector u % kVecsPerLane of that row.
+template <int N>
+__device__ __forceinline__ void load_transposed_chunk(const bf16* wt, int rows, int c, WeightChunk& chunk) {
+  using T = TransposedTiling<N>;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int row0 = c * T::kRowsPerChunk + lane / T::kLanesPerRow;
+#pragma unroll
+  for (int u = 0; u < T::kRowGroups * T::kVecsPerLane; ++u) {
+    const int row = row0 + (u / T::kVecsPerLane) * T::kRowsPerLoad;
+    const int vec = lane % T::kLanesPerRow + (u % T::kVecsPerLane) * T::kLanesPerRow;
+    chunk.load(u) = make_uint4(0, 0, 0, 0);
+    if (row < rows && vec < T::kSlabVecs)
+      chunk.load(u) = load_weights16(wt + static_cast<size_t>(row) * N + (warp * T::kSlabVecs + vec) * kVecElems);
+  }
+}
+
+// The first chunk, loaded before x is ready (weights never depend on activations).
+template <int N>
+__device__ __forceinline__ WeightChunk prefetch_transposed(const bf16* wt, int rows) {
+  WeightChunk chunk;
+  load_transposed_chunk<N>(wt, rows, 0, chunk);
+  return chunk;
+}
+
+template <int N>
+__device__ __forceinline__ void gemv_transposed_rows(const bf16* wt, int rows, const float* x,
+                                                     const WeightChunk& ahead, float* sums) {
+  using T = TransposedTiling<N>;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  float acc[T::kVecsPerLane][kVecElems] = {};
+  const int chunks = (rows + T::kRowsPerChunk - 1) / T::kRowsPerChunk;
+  for (int c = 0; c < chunks; ++c) {
+    WeightChunk chunk;
+    if (c == 0)
+      chunk = ahead;
+    else
+      load_transposed_chunk<N>(wt, rows, c, chunk);
+#pragma unroll
+    for (int group = 0; group < T::kRowGroups; ++group) {
+      const int row = c * T::kRowsPerChunk + group * T::kRowsPerLoad + lane / T::kLanesPerRow;
+      const float xr = row < rows ? x[row] : 0.f;
+#pragma unroll
+      for (int k = 0; k < T::kVecsPerLane; ++k) {
+        const uint4 w = chunk.load(group * T::kVecsPerLane + k);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = bf16x2_to_float2(word(w, j));
+          acc[k][2 * j] = fmaf(xr, f.x, acc[k][2 * j]);
+          acc[k][2 * j + 1] = fmaf(xr, f.y, acc[k][2 * j + 1]);
+        }
+      }
+    }
+  }
+  // Lanes that hold the same columns of different rows add up, then one of them adds to sums.
+#pragma unroll
+  for (int k = 0; k < T::kVecsPerLane; ++k)
+#pragma unroll
+    for (int e = 0; e < kVecElems; ++e)
+#pragma unroll
+      for (int offset = T::kLanesPerRow; offset < kWarpSize; offset *= 2)
+        acc[k][e] += __shfl_xor_sync(kFullMask, acc[k][e], offset);
+  if (lane < T::kLanesPerRow) {
+#pragma unroll
+    for (int k = 0; k < T::kVecsPerLane; ++k) {
+      const int vec = lane + k * T::kLanesPerRow;
+      if (vec < T::kSlabVecs) {
+        float* out = sums + (warp * T::kSlabVecs + vec) * kVecElems;
+        add_to_global4(out, make_float4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]));
+        add_to_global4(out + 4, make_float4(acc[k][4], acc[k][5], acc[k][6], acc[k][7]));
+      }
+    }
+  }
 }
 
 }  // namespace megakernel

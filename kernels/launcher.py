@@ -28,7 +28,7 @@ from .shape import MAX_SPLITS, THREADS, KernelShape
 STATE_TOKEN, STATE_POS, STATE_ARGMAX, STATE_SLOTS = 0, 1, 2, 4
 COUNTER_SPLITS = 2  # counters: barrier, argmax-done, then two per KV head (split count, QKV rows done)
 COUNTERS_PER_KV_HEAD = 2
-STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "gate_up", "down")
+STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "mlp")
 FINAL_STAGE = "lm_head"
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 KERNEL_DTYPE = torch.bfloat16
@@ -148,7 +148,8 @@ class DecodeStep:
         self.hidden = torch.empty(shape.hidden, dtype=KERNEL_DTYPE, device=dev)
         self.qkv = torch.empty(shape.q_dim + 2 * shape.kv_dim, dtype=KERNEL_DTYPE, device=dev)
         self.attn_out = torch.empty(shape.q_dim, dtype=KERNEL_DTYPE, device=dev)
-        self.mlp_act = torch.empty(shape.intermediate, dtype=KERNEL_DTYPE, device=dev)
+        # zeros, then the down projection's fp32 sums of even and odd layers (zeroed by the kernel)
+        self.down_sums = torch.zeros(3, shape.hidden, dtype=torch.float32, device=dev)
         partials = shape.heads * MAX_SPLITS * (shape.head_dim + 2)  # per split: acc[head_dim], max, sum
         self.attn_partials = torch.empty(partials, dtype=torch.float32, device=dev)
         self.logits = torch.empty(shape.vocab, dtype=torch.float32, device=dev)  # [V], bf16-exact values
@@ -164,6 +165,7 @@ class DecodeStep:
         if not 0 <= slot < cache.k[0].shape[0]:
             raise ValueError(f"slot {slot} is outside the cache's {cache.k[0].shape[0]} rows")
         rows = []
+        self._down_t: list[torch.Tensor] = []
         for index, (layer, k, v) in enumerate(zip(model.layers, cache.k, cache.v, strict=True)):
             for name, tensor in (("k", k), ("v", v)):
                 expected = (self.shape.kv_heads, cache.max_seq, self.shape.head_dim)
@@ -172,7 +174,10 @@ class DecodeStep:
                         f"cache.{name}[{index}] must be a contiguous {KERNEL_DTYPE} [max_batch, {expected}] tensor, "
                         f"got {tensor.dtype} {tuple(tensor.shape)}"
                     )
-            pointers = [_address(getattr(layer, field)) for field in LAYER_FIELDS]
+            # the kernel reads the down projection's weight transposed ([I, H] row-major): a copy
+            down_t = layer.w_down.t().contiguous()
+            self._down_t.append(down_t)
+            pointers = [_address(down_t if field == "w_down" else getattr(layer, field)) for field in LAYER_FIELDS]
             pointers += [k[slot].data_ptr(), v[slot].data_ptr()]
             rows.append(pointers)
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
@@ -195,7 +200,7 @@ class DecodeStep:
             self._layer_table.data_ptr(), self._model.embed.data_ptr(), self._model.final_norm.data_ptr(),
             self._model.lm_head.data_ptr(), self._model.rope_inv_freq.data_ptr(),
             self.state.data_ptr(), self.counters.data_ptr(), self.hidden.data_ptr(), self.qkv.data_ptr(),
-            self.attn_out.data_ptr(), self.mlp_act.data_ptr(), self.attn_partials.data_ptr(),
+            self.attn_out.data_ptr(), self.down_sums.data_ptr(), self.attn_partials.data_ptr(),
             self.logits.data_ptr(), self.argmax_partials.data_ptr(), self.stage_stamps.data_ptr(),
             self._eps, np.int32(self.max_seq), np.int32(1 if greedy else 0),
         )

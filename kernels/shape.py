@@ -21,6 +21,7 @@ KV_ROW_BYTES_PER_ITER = 1024  # kKvRowBytesPerIter of kv_rows.cuh
 MERGE_ACC_BYTES = 32 * 1024  # kMergeAccBytes of attention.cuh
 HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
 STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
+MIN_CTAS = 96  # kMinCtas of decode_step.cu: the MLP slice per CTA in shared memory is sized for it
 SHARED_RESERVED = WARPS * (4 + 8 + 8) + 16  # the reduce, best and split_sums arrays beside the union, and alignment
 FLOAT_BYTES = 4
 BF16_BYTES = 2
@@ -121,7 +122,8 @@ class KernelShape:
         new_row = 2 * BF16_BYTES * self.head_dim  # the new position's K and V row
         attention = FLOAT_BYTES * group_elems + max(merge, first_block) + new_row + FLOAT_BYTES  # q, union, is_last_split
         rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
-        return max(BF16_BYTES * self.max_input, attention) + rope + SHARED_RESERVED
+        mlp_slice = FLOAT_BYTES * -(-self.intermediate // MIN_CTAS)  # the CTA's SiLU(gate) * up values
+        return max(BF16_BYTES * self.max_input, attention) + rope + mlp_slice + SHARED_RESERVED
 
     def check_grid(self, ctas: int) -> None:
         """The kernel gives each KV head's QKV rows and attention to CTAs of their own (one persistent
@@ -129,6 +131,11 @@ class KernelShape:
         if ctas < self.kv_heads:
             raise UnsupportedShapeError(
                 f"the megakernel needs at least one CTA per KV head: {self.kv_heads} KV heads on a GPU of {ctas} SMs"
+            )
+        if ctas < MIN_CTAS:
+            raise UnsupportedShapeError(
+                f"the megakernel keeps each CTA's slice of the MLP in shared memory sized for {MIN_CTAS} SMs or "
+                f"more; this GPU has {ctas}"
             )
 
     @property

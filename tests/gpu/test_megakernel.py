@@ -163,7 +163,7 @@ def test_stage_timestamps(tiny_model_dir, kernel_cache):
     assert times.total < 0.1
     # The last CTA arrives at a closing grid barrier after CTA 0 began the stage (CTA 0 arrives too)
     # and before CTA 0 passes it: release within the stage, and the tail from the median shorter.
-    for kind in ("o_proj", "gate_up", "down"):
+    for kind in ("o_proj", "mlp"):
         assert 0 <= times.tail[kind] <= times.seconds[kind], (kind, times)
         assert 0 <= times.release[kind] <= times.seconds[kind], (kind, times)
     # QKV ends at per-head counts, not a grid barrier: CTA 0 starts attention when its own KV head's

@@ -20,7 +20,7 @@ def test_stage_bytes_add_up_to_the_roofline_s_bytes_but_norms(name, context):
     floor = step_read_bytes(plan_sharding(config, 1), context, BF16)
     norms = (2 * config.hidden_size + (2 * config.head_dim if config.qk_norm else 0)) * BF16
     assert sum(stages.values()) == floor.total - config.num_layers * norms - floor.other
-    assert list(stages) == ["qkv", "attention", "o_proj", "gate_up", "down", "lm_head"]
+    assert list(stages) == ["qkv", "attention", "o_proj", "mlp", "lm_head"]
 
 
 def test_llama_1b_stage_bytes_are_the_checkpoint_s():
