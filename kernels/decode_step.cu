@@ -40,8 +40,7 @@ struct ModelShape {
   static constexpr int q_dim = kHeads * kHeadDim;
   static constexpr int kv_dim = kKvHeads * kHeadDim;
   static constexpr int qkv_dim = q_dim + 2 * kv_dim;
-  static constexpr int max_input = kHidden > kIntermediate ? (kHidden > q_dim ? kHidden : q_dim)
-                                                           : (kIntermediate > q_dim ? kIntermediate : q_dim);
+  static constexpr int max_input = kHidden > q_dim ? kHidden : q_dim;  // RMSNorm output or attention output
   static_assert(kHeads % kKvHeads == 0, "heads must be a multiple of kv_heads");
   static_assert(kHidden % kVecElems == 0 && kIntermediate % kVecElems == 0, "dims must be multiples of 8");
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
@@ -159,10 +158,30 @@ struct GateUpRows {  // pair i = (gate row i, up row i): one warp produces SiLU(
 
 // The MLP's intermediate rows are split over the CTAs in contiguous slices, [c * I / grid,
 // (c + 1) * I / grid) for CTA c; a slice's activations stay in shared memory, sized for a grid of
-// at least kMinCtas (the launcher checks).
+// at least kMinCtas (the launcher checks). (Recomputed where needed: a value kept live through
+// attention costs a register there.)
 constexpr int kMinCtas = 96;
+constexpr int kMlpRowsAlign = 4;  // a 16-byte multiple of floats: no padding after the array
 template <class S>
-constexpr int kMaxMlpRowsPerCta = (S::intermediate + kMinCtas - 1) / kMinCtas;
+constexpr int kMaxMlpRowsPerCta =
+    ((S::intermediate + kMinCtas - 1) / kMinCtas + kMlpRowsAlign - 1) / kMlpRowsAlign * kMlpRowsAlign;
+
+struct MlpSlice {
+  int first, rows;
+};
+
+template <class S>
+__device__ __forceinline__ MlpSlice mlp_slice() {
+  const int first = static_cast<int>(blockIdx.x * S::intermediate / gridDim.x);
+  return MlpSlice{first, static_cast<int>((blockIdx.x + 1) * S::intermediate / gridDim.x) - first};
+}
+
+template <class S>
+struct GateUpSliceRows {  // pair p = the slice's gate and up row p
+  LayerWeights w;
+  int first;
+  __device__ RowPair operator()(int p) const { return GateUpRows<S>{w}(first + p); }
+};
 
 // A row pair's residual and the previous layer's down sums, loaded before O's dot product.
 struct ResidualAndProjection {
@@ -233,8 +252,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // barrier that ends their last reads (layer l - 1's O stage) and before the one in front of
   // layer l's MLP stage, whose CTAs add to them.
   const auto down_sums_of = [&](int layer) { return down_sums + (1 + layer % 2) * S::hidden; };
-  const int mlp_first = static_cast<int>(blockIdx.x * S::intermediate / gridDim.x);
-  const int mlp_rows = static_cast<int>((blockIdx.x + 1) * S::intermediate / gridDim.x) - mlp_first;
+  // The residual stream before layer l is residual + bf16(previous_down_of(l)): layer 0 reads the
+  // embedding in place and adds zeros.
+  const auto previous_down_of = [&](int l) -> const float* { return l == 0 ? down_sums : down_sums_of(l - 1); };
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
   const auto prefetch_qkv = [&](const LayerWeights& w) {
@@ -247,12 +267,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int l = 0; l < S::layers; ++l) {
     const LayerWeights w = layers[l];
-    // The residual stream before this layer is residual + bf16(previous_down); layer 0 reads the
-    // embedding in place.
     const bf16* residual = l == 0 ? embed_row : hidden;
-    const float* previous_down = l == 0 ? down_sums : down_sums_of(l - 1);
 
-    rms_norm_to_shared<S::hidden>(ResidualPlusProjection{residual, previous_down}, w.attn_norm, rms_eps, sh.x,
+    rms_norm_to_shared<S::hidden>(ResidualPlusProjection{residual, previous_down_of(l)}, w.attn_norm, rms_eps, sh.x,
                                   sh.reduce);
     if constexpr (kQkvByRows<S>)
       gemv_row_pairs<S::hidden / 2>(HeadRows<S>::kRows, head_rows.ctas, sh.x, QkvRowHalves<S>{w, head_rows},
@@ -279,6 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     stage_to_shared<S::q_dim>(attn_out, sh.x);
     // The residual (with the previous layer's down added exactly as the QKV RMSNorm did) plus O.
+    const float* previous_down = previous_down_of(l);
     const auto residual_and_down = [&](int p) {
       return ResidualAndProjection{__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p),
                                    __ldcg(reinterpret_cast<const float2*>(previous_down) + p)};
@@ -289,24 +307,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float h0 = add_projection(res.x, in.down.x), h1 = add_projection(res.y, in.down.y);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(h0 + bf16_round(d0), h1 + bf16_round(d1));
     });
-    float* layer_down = down_sums_of(l);
+    float* layer_down = down_sums_of(l);  // zeroed for this layer's MLP (see down_sums above)
     for (int i = blockIdx.x * kThreads + threadIdx.x; i < S::hidden; i += gridDim.x * kThreads) layer_down[i] = 0.f;
-    const auto gate_up_rows = [&](int p) { return GateUpRows<S>{w}(mlp_first + p); };
-    end_stage(timer, barrier,
-              [&] { ahead = prefetch_weights<S::hidden>(mlp_rows, CtaRange{0, 1}, gate_up_rows); });
+    end_stage(timer, barrier, [&] {
+      const MlpSlice slice = mlp_slice<S>();
+      ahead = prefetch_weights<S::hidden>(slice.rows, CtaRange{0, 1}, GateUpSliceRows<S>{w, slice.first});
+    });
 
     // The CTA's slice of the MLP: gate/up rows into shared memory, then down over them.
     rms_norm_to_shared<S::hidden>(Activations{hidden}, w.mlp_norm, rms_eps, sh.x, sh.reduce);
-    gemv_row_pairs<S::hidden>(mlp_rows, CtaRange{0, 1}, sh.x, gate_up_rows, sh.split_sums, ahead,
+    const MlpSlice slice = mlp_slice<S>();
+    gemv_row_pairs<S::hidden>(slice.rows, CtaRange{0, 1}, sh.x, GateUpSliceRows<S>{w, slice.first}, sh.split_sums, ahead,
                               [&](int i, float gate, float up) {
       const float g = bf16_round(gate);
       const float silu = bf16_round(g / (1.f + __expf(-g)));
       sh.act[i] = bf16_round(silu * bf16_round(up));
     });
-    const bf16* down_rows = w.w_down_t + static_cast<size_t>(mlp_first) * S::hidden;
-    ahead = prefetch_transposed<S::hidden>(down_rows, mlp_rows);
+    const bf16* down_rows = w.w_down_t + static_cast<size_t>(slice.first) * S::hidden;
+    ahead = prefetch_transposed<S::hidden>(down_rows, slice.rows);
     __syncthreads();  // sh.act is complete
-    gemv_transposed_rows<S::hidden>(down_rows, mlp_rows, sh.act, ahead, layer_down);
+    gemv_transposed_rows<S::hidden>(down_rows, slice.rows, sh.act, ahead, down_sums_of(l));
     end_stage(timer, barrier, [&] {
       if (l + 1 < S::layers)
         ahead = prefetch_qkv(layers[l + 1]);

@@ -34,7 +34,7 @@ LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "mlp_no
 KERNEL_DTYPE = torch.bfloat16
 
 
-class DecodeLayer(Protocol):
+class DecodeLayer(Protocol):  # w_down stored transposed: see store_down_transposed
     attn_norm: torch.Tensor
     wq: torch.Tensor
     wk: torch.Tensor
@@ -107,7 +107,8 @@ class StageTimes:
 
 
 class DecodeStep:
-    """One decode step of `model` over row `slot` of `cache` as a single megakernel launch."""
+    """One decode step of `model` over row `slot` of `cache` as a single megakernel launch. The
+    model's w_down must be stored transposed (store_down_transposed)."""
 
     def __init__(
         self,
@@ -123,9 +124,11 @@ class DecodeStep:
             raise ValueError(f"the megakernel runs on CUDA devices; the model is on {self.device}")
         self.max_seq = cache.max_seq
         self.timing = timing
-        _check_weights(model, self.shape)
+        check_weights(model, self.shape)
         self._layer_table = self._build_layer_table(model, cache, slot)
-        self._model = model  # keeps the weights alive while the kernel holds their addresses
+        # the tensors whose addresses the kernel holds, kept alive even if the model's layers change
+        self._weights = [getattr(layer, field) for layer in model.layers for field in LAYER_FIELDS]
+        self._model = model
         self._cache = cache
 
         cuda_device = Device(self.device.index if self.device.index is not None else torch.cuda.current_device())
@@ -165,7 +168,6 @@ class DecodeStep:
         if not 0 <= slot < cache.k[0].shape[0]:
             raise ValueError(f"slot {slot} is outside the cache's {cache.k[0].shape[0]} rows")
         rows = []
-        self._down_t: list[torch.Tensor] = []
         for index, (layer, k, v) in enumerate(zip(model.layers, cache.k, cache.v, strict=True)):
             for name, tensor in (("k", k), ("v", v)):
                 expected = (self.shape.kv_heads, cache.max_seq, self.shape.head_dim)
@@ -174,10 +176,7 @@ class DecodeStep:
                         f"cache.{name}[{index}] must be a contiguous {KERNEL_DTYPE} [max_batch, {expected}] tensor, "
                         f"got {tensor.dtype} {tuple(tensor.shape)}"
                     )
-            # the kernel reads the down projection's weight transposed ([I, H] row-major): a copy
-            down_t = layer.w_down.t().contiguous()
-            self._down_t.append(down_t)
-            pointers = [_address(down_t if field == "w_down" else getattr(layer, field)) for field in LAYER_FIELDS]
+            pointers = [_address(getattr(layer, field)) for field in LAYER_FIELDS]  # w_down: its [I, H] storage
             pointers += [k[slot].data_ptr(), v[slot].data_ptr()]
             rows.append(pointers)
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
@@ -232,12 +231,23 @@ class DecodeStep:
         return StageTimes.from_stamps(stamps, arrivals)
 
 
+def store_down_transposed(model: DecodeModel) -> None:
+    """Store every layer's w_down ([H, I]) as the kernel reads it, [I, H] row-major (w_down.t()
+    contiguous), in place. The values and the [H, I] shape stay, so PyTorch code that multiplies by
+    w_down (F.linear) runs as before; the copy is made one layer at a time. Layers already stored
+    that way are left as they are."""
+    for layer in model.layers:
+        if not layer.w_down.t().is_contiguous():
+            layer.w_down = layer.w_down.t().contiguous().t()
+
+
 def _address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _check_weights(model: DecodeModel, shape: KernelShape) -> None:
-    """Every weight the kernel reads must be a contiguous bf16 tensor of the expected shape."""
+def check_weights(model: DecodeModel, shape: KernelShape) -> None:
+    """Every weight the kernel reads must be a contiguous bf16 tensor of the expected shape, w_down
+    contiguous as its transpose (store_down_transposed)."""
     expected = {
         "embed": (model.embed, (shape.vocab, shape.hidden)),
         "final_norm": (model.final_norm, (shape.hidden,)),
@@ -256,9 +266,17 @@ def _check_weights(model: DecodeModel, shape: KernelShape) -> None:
     for index, layer in enumerate(model.layers):
         expected |= {f"layers[{index}].{name}": (getattr(layer, name), dims) for name, dims in layer_shapes.items()}
     for name, (tensor, dims) in expected.items():
-        if tensor is None or tensor.dtype != KERNEL_DTYPE or tuple(tensor.shape) != dims or not tensor.is_contiguous():
+        if tensor is None or tensor.dtype != KERNEL_DTYPE or tuple(tensor.shape) != dims:
             got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
-            raise ValueError(f"model.{name} must be a contiguous {KERNEL_DTYPE} tensor of shape {dims}, got {got}")
+            raise ValueError(f"model.{name} must be a {KERNEL_DTYPE} tensor of shape {dims}, got {got}")
+        if name.endswith(".w_down"):  # the kernel streams down's weight by its input rows
+            if not tensor.t().is_contiguous():
+                raise ValueError(
+                    f"model.{name} must be stored transposed ([I, H] row-major, w_down.t() contiguous) for the "
+                    "megakernel: call store_down_transposed(model) first"
+                )
+        elif not tensor.is_contiguous():
+            raise ValueError(f"model.{name} must be contiguous")
     inv_freq = model.rope_inv_freq
     if inv_freq.dtype != torch.float32 or tuple(inv_freq.shape) != (shape.head_dim // 2,):
         raise ValueError(

@@ -22,6 +22,7 @@ MERGE_ACC_BYTES = 32 * 1024  # kMergeAccBytes of attention.cuh
 HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
 STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
 MIN_CTAS = 96  # kMinCtas of decode_step.cu: the MLP slice per CTA in shared memory is sized for it
+MLP_ROWS_ALIGN = 4  # kMlpRowsAlign
 SHARED_RESERVED = WARPS * (4 + 8 + 8) + 16  # the reduce, best and split_sums arrays beside the union, and alignment
 FLOAT_BYTES = 4
 BF16_BYTES = 2
@@ -75,6 +76,11 @@ class KernelShape:
                 raise UnsupportedShapeError(
                     f"{name} ({getattr(self, name)}) must be a multiple of {VEC_ELEMS} (16-byte weight loads)"
                 )
+        if self.hidden % (WARPS * VEC_ELEMS):
+            raise UnsupportedShapeError(
+                f"hidden ({self.hidden}) must be a multiple of {WARPS * VEC_ELEMS}: down's transposed GEMV gives "
+                f"each of the {WARPS} warps whole 16-byte vectors of every output row"
+            )
         if self.shared_bytes > STATIC_SHARED_LIMIT:
             raise UnsupportedShapeError(
                 f"this shape needs {self.shared_bytes} bytes of shared memory per CTA, over the kernel's "
@@ -109,7 +115,14 @@ class KernelShape:
 
     @property
     def max_input(self) -> int:
-        return max(self.hidden, self.intermediate, self.q_dim)
+        return max(self.hidden, self.q_dim)
+
+    @property
+    def max_mlp_rows_per_cta(self) -> int:
+        """kMaxMlpRowsPerCta: the intermediate rows of one CTA's MLP slice on the smallest grid,
+        rounded up to MLP_ROWS_ALIGN."""
+        rows = -(-self.intermediate // MIN_CTAS)
+        return -(-rows // MLP_ROWS_ALIGN) * MLP_ROWS_ALIGN
 
     @property
     def shared_bytes(self) -> int:
@@ -122,7 +135,7 @@ class KernelShape:
         new_row = 2 * BF16_BYTES * self.head_dim  # the new position's K and V row
         attention = FLOAT_BYTES * group_elems + max(merge, first_block) + new_row + FLOAT_BYTES  # q, union, is_last_split
         rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
-        mlp_slice = FLOAT_BYTES * -(-self.intermediate // MIN_CTAS)  # the CTA's SiLU(gate) * up values
+        mlp_slice = FLOAT_BYTES * self.max_mlp_rows_per_cta  # the CTA's SiLU(gate) * up values
         return max(BF16_BYTES * self.max_input, attention) + rope + mlp_slice + SHARED_RESERVED
 
     def check_grid(self, ctas: int) -> None:

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch
 
 from megaserve.kernels.barrier_probe import time_grid_barrier
 from megaserve.kernels.build import KernelCache
-from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep, StageTimes
+from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep, StageTimes, store_down_transposed
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.replicas.models import Model, ModelConfig
 from megaserve.replicas.models.decoder import expected_shapes
@@ -219,7 +220,8 @@ def bench_context(
         return time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay), {}
 
     if "megakernel" in methods:
-        seconds, launches, stages, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
+        with down_stored_transposed(model):
+            seconds, launches, stages, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
         extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
                  "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
                  "timing_cost_ms": timing_cost_ms}
@@ -239,6 +241,19 @@ def bench_context(
 
 def _ms(seconds: dict[str, float]) -> dict[str, float]:
     return {name: value * 1e3 for name, value in seconds.items()}
+
+
+@contextmanager
+def down_stored_transposed(model: Model) -> Iterator[None]:
+    """The megakernel's layout of w_down (a transposed copy of each) while the block runs; the
+    PyTorch baselines then run on the checkpoint's row-major layout, as its users would."""
+    row_major = [layer.w_down for layer in model.layers]
+    store_down_transposed(model)
+    try:
+        yield
+    finally:
+        for layer, w_down in zip(model.layers, row_major, strict=True):
+            layer.w_down = w_down
 
 
 def bench_megakernel(

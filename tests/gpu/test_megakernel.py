@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaserve.kernels.launcher import DecodeStep
+from megaserve.kernels.launcher import DecodeStep, store_down_transposed
 from megaserve.replicas.models import load_model
 
 NOISE_FACTOR = 2.0
@@ -52,6 +52,13 @@ def reference_step(model, cache, token: int, pos: int) -> torch.Tensor:
     return model.forward(ids, positions, cache, torch.zeros(1, dtype=torch.long, device=DEVICE))[0, 0]
 
 
+def megakernel_model(model_dir):
+    """The bf16 model with w_down in the kernel's layout (the reference forward reads it too)."""
+    model = load_model(model_dir, DEVICE, torch.bfloat16)
+    store_down_transposed(model)
+    return model
+
+
 def kernel_step(step: DecodeStep, token: int, pos: int) -> torch.Tensor:
     step.set_position(token, pos)
     step.launch()
@@ -61,7 +68,7 @@ def kernel_step(step: DecodeStep, token: int, pos: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("prompt_len", [0, 1, 37, 1000, 8200])
 def test_step_logits_match_reference(tiny_model_dir, kernel_cache, prompt_len):
-    model = load_model(tiny_model_dir, DEVICE, torch.bfloat16)
+    model = megakernel_model(tiny_model_dir)
     model32 = load_model(tiny_model_dir, DEVICE, torch.float32)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(prompt_len)
@@ -99,7 +106,7 @@ def test_logits_match_transformers(tiny_model_dir, kernel_cache):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
-    model = load_model(tiny_model_dir, DEVICE, torch.bfloat16)
+    model = megakernel_model(tiny_model_dir)
     generator = torch.Generator().manual_seed(7)
     sequence = torch.randint(0, model.config.vocab_size, (300,), generator=generator).tolist()
     cache = model.new_cache(1, len(sequence))
@@ -111,7 +118,7 @@ def test_logits_match_transformers(tiny_model_dir, kernel_cache):
 
 
 def test_greedy_tokens_agree_with_reference(tiny_model_dir, kernel_cache):
-    model = load_model(tiny_model_dir, DEVICE, torch.bfloat16)
+    model = megakernel_model(tiny_model_dir)
     model32 = load_model(tiny_model_dir, DEVICE, torch.float32)
     prompt = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     max_seq = len(prompt) + GREEDY_TOKENS + 1
@@ -151,7 +158,7 @@ def test_greedy_tokens_agree_with_reference(tiny_model_dir, kernel_cache):
 
 
 def test_stage_timestamps(tiny_model_dir, kernel_cache):
-    model = load_model(tiny_model_dir, DEVICE, torch.bfloat16)
+    model = megakernel_model(tiny_model_dir)
     cache = model.new_cache(1, 64)
     step = DecodeStep(model, cache, 0, kernel_cache, timing=True)
     plain = DecodeStep(model, model.new_cache(1, 64), 0, kernel_cache)

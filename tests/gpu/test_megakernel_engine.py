@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megaserve.kernels.build import KernelCache
-from megaserve.kernels.launcher import DecodeStep
+from megaserve.kernels.launcher import DecodeStep, store_down_transposed
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 from megaserve.replicas.engines.megakernel_engine import MegakernelEngine
 from megaserve.replicas.models import load_model
@@ -44,6 +44,7 @@ def greedy_request(**sampling) -> GenerateRequest:
 def kernel_greedy_tokens(model_dir, kernel_dir, count: int) -> list[int]:
     """The same greedy continuation computed with the launcher directly."""
     model = load_model(model_dir, "cuda", torch.bfloat16)
+    store_down_transposed(model)
     cache = model.new_cache(1, MAX_SEQ)
     ids, positions = torch.tensor([PROMPT], device="cuda"), torch.arange(len(PROMPT), device="cuda")[None]
     first = int(model.forward(ids, positions, cache, torch.zeros(1, dtype=torch.long, device="cuda"), last_only=True)[0].argmax())

@@ -1,10 +1,16 @@
-"""kernels/launcher.py on the CPU: how in-kernel timestamps become per-stage times."""
+"""kernels/launcher.py on the CPU: how in-kernel timestamps become per-stage times, and the weight
+layout the kernel takes."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, StageTimes
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, StageTimes, check_weights, store_down_transposed
+from megaserve.kernels.shape import KernelShape
 
 MS = 1_000_000  # nanoseconds
 STEP_START = 1_000 * MS  # %globaltimer counts from an arbitrary origin, never zero here
@@ -29,7 +35,7 @@ def test_each_stage_splits_into_arrival_tail_and_barrier_release():
         assert times.release[kind] == pytest.approx(0.002)
     assert times.seconds[FINAL_STAGE] == pytest.approx(0.005)
     assert FINAL_STAGE not in times.release  # the LM head ends without a barrier
-    assert times.total == pytest.approx(0.105)
+    assert times.total == pytest.approx(2 * len(STAGES_PER_LAYER) * 0.010 + 0.005)
 
 
 def test_an_unrecorded_arrival_is_an_error_not_a_time():
@@ -58,3 +64,53 @@ def test_a_head_that_finishes_qkv_after_cta_0_starts_attention_makes_its_release
     assert times.release["qkv"] == pytest.approx(-0.006)  # two layers, -3 ms each
     assert times.tail["qkv"] == pytest.approx(0.012)  # median 7 ms to the late arrival at 13, twice
     assert times.release["attention"] == pytest.approx(0.002)  # the grid barriers are unchanged
+
+
+SHAPE = KernelShape(hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=512, vocab=512, layers=2, qk_norm=False)
+
+
+def decode_model(shape: KernelShape) -> SimpleNamespace:
+    """A model as the launcher sees it (DecodeModel): bf16 weights in the checkpoint's layout."""
+
+    def weight(*dims: int) -> torch.Tensor:
+        return torch.randn(*dims).to(torch.bfloat16)
+
+    h, i = shape.hidden, shape.intermediate
+    layers = [
+        SimpleNamespace(
+            attn_norm=weight(h), wq=weight(shape.q_dim, h), wk=weight(shape.kv_dim, h), wv=weight(shape.kv_dim, h),
+            q_norm=None, k_norm=None, wo=weight(h, shape.q_dim), mlp_norm=weight(h), w_gate=weight(i, h),
+            w_up=weight(i, h), w_down=weight(h, i),
+        )
+        for _ in range(shape.layers)
+    ]
+    return SimpleNamespace(
+        embed=weight(shape.vocab, h), final_norm=weight(h), lm_head=weight(shape.vocab, h), layers=layers,
+        rope_inv_freq=torch.ones(shape.head_dim // 2),
+    )
+
+
+def test_down_is_stored_transposed_in_place_with_the_same_values():
+    model = decode_model(SHAPE)
+    row_major = [layer.w_down.clone() for layer in model.layers]
+    store_down_transposed(model)
+    for layer, before in zip(model.layers, row_major, strict=True):
+        assert layer.w_down.shape == before.shape and torch.equal(layer.w_down, before)
+        assert layer.w_down.t().is_contiguous() and not layer.w_down.is_contiguous()
+        # what PyTorch code does with it is unchanged
+        x = torch.randn(3, SHAPE.intermediate).to(torch.bfloat16)
+        assert torch.equal(F.linear(x, layer.w_down), F.linear(x, before))
+    stored = [layer.w_down.data_ptr() for layer in model.layers]
+    store_down_transposed(model)  # already in the kernel's layout: left as it is
+    assert [layer.w_down.data_ptr() for layer in model.layers] == stored
+
+
+def test_the_launcher_refuses_down_in_the_checkpoint_layout():
+    model = decode_model(SHAPE)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.w_down must be stored transposed .* store_down_transposed"):
+        check_weights(model, SHAPE)
+    store_down_transposed(model)
+    check_weights(model, SHAPE)  # and accepts it in the kernel's
+    model.layers[1].wo = model.layers[1].wo.t().contiguous().t()
+    with pytest.raises(ValueError, match=r"layers\[1\]\.wo must be contiguous"):
+        check_weights(model, SHAPE)

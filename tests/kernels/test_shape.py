@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megaserve.kernels.shape import KernelShape, UnsupportedShapeError
+from megaserve.kernels.shape import MIN_CTAS, KernelShape, UnsupportedShapeError
 from megaserve.replicas.bench import BENCH_CONFIGS
 from megaserve.replicas.models import ModelConfig
 from megaserve.replicas.models.demo import ensure_demo_model
@@ -53,7 +53,8 @@ def test_the_demo_model_runs_on_the_megakernel(tmp_path):
         ({"hidden": 260}, "hidden .* multiple of 8"),
         ({"intermediate": 1000 + 4}, "intermediate .* multiple of 8"),
         ({"heads": 6, "kv_heads": 4}, "multiple of kv_heads"),
-        ({"intermediate": 40960}, "shared memory"),
+        ({"hidden": 264}, "hidden .* multiple of 128"),
+        ({"hidden": 24576}, "shared memory"),
         ({"heads": 16, "kv_heads": 1, "head_dim": 256}, "shared memory"),
         ({"layers": 0}, "layers must be positive"),
     ],
@@ -65,6 +66,12 @@ def test_unsupported_shapes_are_refused_clearly(change, message):
 
 def test_a_grid_smaller_than_the_kv_heads_is_refused():
     shape = KernelShape(**(TINY | {"heads": 8, "kv_heads": 8}))
-    shape.check_grid(8)  # one CTA per KV head is enough
     with pytest.raises(UnsupportedShapeError, match="8 KV heads on a GPU of 7 SMs"):
         shape.check_grid(7)
+
+
+def test_a_grid_too_small_for_the_mlp_slices_is_refused():
+    shape = KernelShape(**TINY)
+    shape.check_grid(MIN_CTAS)  # the smallest grid the shared MLP slice is sized for
+    with pytest.raises(UnsupportedShapeError, match=f"{MIN_CTAS} SMs or more; this GPU has {MIN_CTAS - 1}"):
+        shape.check_grid(MIN_CTAS - 1)
