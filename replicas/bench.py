@@ -110,9 +110,7 @@ def stage_read_bytes(config: ModelConfig, context_len: int) -> dict[str, int]:
         "qkv": (q_dim + 2 * kv_dim) * hidden,
         "attention": 2 * kv_dim * context_len,
         "o_proj": hidden * q_dim,
-        "gate_up": 2 * config.intermediate_size * hidden,
-        "down": hidden * config.intermediate_size,
-        "mlp": 3 * hidden * config.intermediate_size,  # gate/up and down as one stage
+        "mlp": 3 * hidden * config.intermediate_size,  # gate/up and down, one stage
     }
     stages = {name: per_layer[name] * config.num_layers * BF16_BYTES for name in STAGES_PER_LAYER}
     return stages | {FINAL_STAGE: config.vocab_size * hidden * BF16_BYTES}

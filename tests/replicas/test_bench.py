@@ -4,8 +4,17 @@ docs/perf.md holds those runs)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from megaserve.replicas.bench import BENCH_CONFIGS, Result, format_table, parse_args, stage_read_bytes
+from megaserve.replicas.bench import (
+    BENCH_CONFIGS,
+    Result,
+    down_stored_transposed,
+    format_table,
+    parse_args,
+    random_model,
+    stage_read_bytes,
+)
 from megaserve.replicas.models import ModelConfig
 from megaserve.replicas.models.sharding import plan_sharding, step_read_bytes
 
@@ -52,3 +61,17 @@ def test_contexts_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--kernel-cache", "k", "--contexts", "0"])
     assert "contexts must be positive" in capsys.readouterr().err
+
+
+def test_the_megakernel_gets_its_layout_of_w_down_and_the_baselines_the_checkpoint_s():
+    config = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 256,
+        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+    })
+    model = random_model(config, torch.device("cpu"))
+    checkpoint = [layer.w_down for layer in model.layers]
+    with down_stored_transposed(model):
+        for layer, w_down in zip(model.layers, checkpoint, strict=True):
+            assert layer.w_down.t().is_contiguous() and torch.equal(layer.w_down, w_down)
+    assert all(layer.w_down is w_down for layer, w_down in zip(model.layers, checkpoint, strict=True))
+    assert all(layer.w_down.is_contiguous() for layer in model.layers)
