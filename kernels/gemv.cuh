@@ -103,7 +103,7 @@ __device__ __forceinline__ void rms_norm_to_shared(Vectors x, const bf16* weight
 }
 
 // How many warps share one row pair, each reading a 1/split slice of K: only when whole rows would
-// leave at least half of the streaming warps idle (Llama-3.2-1B's O and down: 1,024 pairs for 2,112
+// leave at least half of the streaming warps idle (Llama-3.2-1B's O: 1,024 pairs for 2,112
 // warps on 132 SMs), the largest power of 2 with split * pairs <= warps. Each slice keeps
 // kLoadsInFlight loads per lane and row, and split divides the CTA's warps. (Measured on H200:
 // splitting to even out a last partial round - 8B QKV's 1.45 rounds, gate/up's 6.8, the LM head's
