@@ -212,7 +212,7 @@ struct SharedStorage {
 };
 
 constexpr int kStaticSharedLimit = 48 * 1024;
-constexpr int kStagesPerLayer = 4;  // each ends at a grid barrier
+constexpr int kStagesPerLayer = 4;  // each ends at a grid barrier (QKV: at its KV head's counts)
 
 // A stage ends with every CTA arriving at the grid barrier; `between` runs after this CTA arrives and
 // before it waits (loads that need nothing from the stage), then CTA 0 stamps the next start. (A
