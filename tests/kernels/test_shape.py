@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 
-from megaserve.kernels.shape import MIN_CTAS, KernelShape, UnsupportedShapeError
+from megaserve.kernels.build import SOURCE_DIR
+from megaserve.kernels.shape import (
+    KV_ROW_BYTES_PER_ITER,
+    MAX_SPLITS,
+    MERGE_ACC_BYTES,
+    MIN_CTAS,
+    MLP_ROWS_ALIGN,
+    STATIC_SHARED_LIMIT,
+    THREADS,
+    VEC_ELEMS,
+    WARP_SIZE,
+    KernelShape,
+    UnsupportedShapeError,
+)
 from megaserve.replicas.bench import BENCH_CONFIGS
 from megaserve.replicas.models import ModelConfig
 from megaserve.replicas.models.demo import ensure_demo_model
+
 from tests.gpu.conftest import SHAPES
 
 TINY = dict(hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=512, vocab=512, layers=2, qk_norm=False)
@@ -75,3 +92,30 @@ def test_a_grid_too_small_for_the_mlp_slices_is_refused():
     shape.check_grid(MIN_CTAS)  # the smallest grid the shared MLP slice is sized for
     with pytest.raises(UnsupportedShapeError, match=f"{MIN_CTAS} SMs or more; this GPU has {MIN_CTAS - 1}"):
         shape.check_grid(MIN_CTAS - 1)
+
+
+def _kernel_constant(source: str, name: str) -> int:
+    """The value of `constexpr int <name> = <a product of integers>;` in a kernel source."""
+    match = re.search(rf"constexpr int {name} = ([0-9 *]+);", (SOURCE_DIR / source).read_text())
+    assert match, f"{name} is not a constexpr int product of {source}"
+    return math.prod(int(factor) for factor in match.group(1).split("*"))
+
+
+@pytest.mark.parametrize(
+    "mirror, source, name",
+    [
+        (THREADS, "common.cuh", "kThreads"),
+        (WARP_SIZE, "common.cuh", "kWarpSize"),
+        (VEC_ELEMS, "common.cuh", "kVecElems"),
+        (MAX_SPLITS, "attention.cuh", "kMaxSplits"),
+        (MERGE_ACC_BYTES, "attention.cuh", "kMergeAccBytes"),
+        (KV_ROW_BYTES_PER_ITER, "kv_rows.cuh", "kKvRowBytesPerIter"),
+        (STATIC_SHARED_LIMIT, "decode_step.cu", "kStaticSharedLimit"),
+        (MIN_CTAS, "decode_step.cu", "kMinCtas"),
+        (MLP_ROWS_ALIGN, "decode_step.cu", "kMlpRowsAlign"),
+    ],
+)
+def test_python_mirrors_match_the_kernel_constants(mirror, source, name):
+    # shape.py sizes buffers and shared memory from these; a kernel edit that left one behind would
+    # overrun a buffer on the GPU instead of failing here.
+    assert mirror == _kernel_constant(source, name)
