@@ -4,10 +4,12 @@
 // Each warp runs an online softmax over its share of the split's keys; the CTA merges its warps in
 // shared memory and writes one partial (acc[head_dim], max, sum) per query head; the CTA that
 // finishes a KV head's last split (a counter per KV head) combines all its splits into attn_out.
-// The CTA whose split holds the new position also RMS-norms (Qwen3), rotates and appends the new
-// key and value to the cache first, with a warp that prepares no query head (or the fewest); the
-// warp whose first block of keys holds the position takes its row from shared memory, and no warp
-// reads that position from the cache before the append.
+// The splits cover the keys of earlier steps, [0, pos). The last split's CTA also RMS-norms
+// (Qwen3), rotates and appends the new key and value to the cache, with a warp that prepares no
+// query head (or the fewest), and that warp folds the new key into its own softmax state from
+// registers. So no warp reads the new position from the cache, every warp's first block can be
+// loaded before the QKV rows exist, and a split never spills one key into a second block (n =
+// 1,025 keys over 16 splits of 65 gave one warp of every CTA a second load round trip).
 #pragma once
 #include "kv_rows.cuh"
 #include "online_softmax.cuh"
@@ -99,25 +101,23 @@ struct AttentionShared {
       float acc[kMergeSlots][S::group][S::head_dim];
     } merge;
   };
-  // The new position's K and V row, as each lane's slice: the warp whose first block of keys holds
-  // the position takes them from here instead of loading the row again after it is appended.
-  typename KeyTiling<S>::Raw new_key[kWarpSize], new_value[kWarpSize];
   int is_last_split;
 };
 
-// The step's split of the n = pos + 1 keys: `splits` splits of `chunk` keys per KV head (the last
-// may be shorter, none is empty), as many as the grid holds, at least kMinKeysPerSplit keys each.
+// The step's split of the pos keys of earlier steps: `splits` splits of `chunk` keys per KV head
+// (the last may be shorter; at pos = 0 there is one, empty), as many as the grid holds, at least
+// kMinKeysPerSplit keys each.
 struct KeySplits {
   int splits, chunk;
 };
 
 template <class S>
 __device__ __forceinline__ KeySplits key_splits(int pos) {
-  const int n = pos + 1;
+  constexpr int kMinKeys = KeyTiling<S>::kMinKeysPerSplit;
   int splits = max(1, min(kMaxSplits, static_cast<int>(gridDim.x) / S::kv_heads));
-  splits = min(splits, (n + KeyTiling<S>::kMinKeysPerSplit - 1) / KeyTiling<S>::kMinKeysPerSplit);
-  const int chunk = (n + splits - 1) / splits;
-  return KeySplits{(n + chunk - 1) / chunk, chunk};
+  splits = max(1, min(splits, (pos + kMinKeys - 1) / kMinKeys));
+  const int chunk = max(1, (pos + splits - 1) / splits);
+  return KeySplits{max(1, (pos + chunk - 1) / chunk), chunk};
 }
 
 // This CTA's work item: KV head g, split `split` of `splits`, keys [begin, end) of head g, whose cache
@@ -127,6 +127,7 @@ struct WorkItem {
   int g, split, splits, begin, end;
   size_t head_offset;
   __device__ bool valid() const { return g >= 0; }
+  __device__ bool holds_new_key() const { return split == splits - 1; }  // appends and folds position pos
 };
 
 template <class S>
@@ -136,13 +137,12 @@ __device__ __forceinline__ WorkItem cta_work_item(int pos, int max_seq) {
   if (item >= S::kv_heads * plan.splits) return WorkItem{-1, 0, 0, 0, 0, 0};
   const int g = item / plan.splits, split = item % plan.splits, begin = split * plan.chunk;
   const size_t head_offset = static_cast<size_t>(g) * max_seq * S::head_dim;
-  return WorkItem{g, split, plan.splits, begin, min(pos + 1, begin + plan.chunk), head_offset};
+  return WorkItem{g, split, plan.splits, begin, min(pos, begin + plan.chunk), head_offset};
 }
 
 // The K and V rows of this warp's first block of keys, copied into sh.first_block while the CTA
-// waits for the QKV rows before attention: keys before the new position were written by earlier
-// steps, so their HBM latency runs under the wait (the new position's row is replaced by the
-// appended one). Asynchronous copies, not loads: a block held in registers across the wait
+// waits for the QKV rows before attention: the split's keys were written by earlier steps, so
+// their HBM latency runs under the wait. Asynchronous copies, not loads: a block held in registers across the wait
 // spilled on 8B. sh.first_block shares the union with the GEMV input, which the CTA is done with
 // once it has written its QKV rows.
 template <class S>
@@ -182,15 +182,13 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
   const float score_scale = rsqrtf(static_cast<float>(HD)) * kLog2e;  // softmax in base 2
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
-  const int n = pos + 1;  // keys, the new one included
   const WorkItem work = cta_work_item<S>(pos, max_seq);
   if (!work.valid()) return;
   const int g = work.g, split = work.split, splits = work.splits, begin = work.begin, end = work.end;
   const size_t head_offset = work.head_offset;
 
   // The warp's first block of keys has been in flight since before the stage, so its HBM latency
-  // ran under the wait; in a block that holds the new position, that row is replaced by the
-  // appended one below.
+  // ran under the wait.
   const auto load_block = [&](int t0, KeyBlock<S>& block) { load_key_block<S>(cache, head_offset, t0, end, lane, block); };
   const int first_key = begin + warp * kKeysPerIter;
   KeyBlock<S> current = {}, next = {};
@@ -206,7 +204,11 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) sh.q[h][lane * kPerLane + j] = x[j];
   }
-  if (end == n && warp == kAppendWarp) {  // this split owns the new position: append its key and value
+  // The new position's key and value stay in the registers of the warp that appends them (as key 0
+  // of a block), which folds them into its own state.
+  const bool folds_new_key = work.holds_new_key() && warp == kAppendWarp;
+  KeyBlock<S> new_key = {};
+  if (folds_new_key) {
     using Raw = typename T::Raw;
     // The value's load is issued with the key's: one L2 round trip for both.
     const Raw value = load_slice<kPerLane>(qkv + S::q_dim + S::kv_dim + g * HD + lane * kPerLane);
@@ -216,14 +218,9 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     const size_t row = key_slice<S>(head_offset, pos, lane);
     *reinterpret_cast<Raw*>(cache.k + row) = key;
     *reinterpret_cast<Raw*>(cache.v + row) = value;
-    sh.new_key[lane] = key, sh.new_value[lane] = value;
+    new_key.k[0] = key, new_key.v[0] = value;
   }
   __syncthreads();
-  if (end == n && first_key < end && end <= first_key + kKeysPerIter) {
-#pragma unroll
-    for (int u = 0; u < kKeysPerIter; ++u)
-      if (first_key + u == pos) current.k[u] = sh.new_key[lane], current.v[u] = sh.new_value[lane];
-  }
 
   float q[G][kPerLane];
 #pragma unroll
@@ -241,14 +238,13 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
   const bool counts_sum = slot_head < G && lane % kLanesPerSlot == 0;  // one lane per slot adds to the sum
   float slot_max = kNegInf, slot_sum = 0.f;  // running max and sum of the slot's head, over this lane's keys
 
-  constexpr int kWarpStride = kWarps * kKeysPerIter;
   SoftmaxState<S> state;
   state.reset();
-  for (int t0 = first_key; t0 < end; t0 += kWarpStride) {
-    if (t0 + kWarpStride < end) load_block(t0 + kWarpStride, next);
+  // Folds keys [t0, t0 + kKeysPerIter) of the head, those before block_end, held in `block`.
+  const auto fold_block = [&](const KeyBlock<S>& block, int t0, int block_end) {
     float k[kKeysPerIter][kPerLane], v[kKeysPerIter][kPerLane];
 #pragma unroll
-    for (int u = 0; u < kKeysPerIter; ++u) unpack_slice<kPerLane>(current.k[u], k[u]), unpack_slice<kPerLane>(current.v[u], v[u]);
+    for (int u = 0; u < kKeysPerIter; ++u) unpack_slice<kPerLane>(block.k[u], k[u]), unpack_slice<kPerLane>(block.v[u], v[u]);
     float partial[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) {
@@ -259,7 +255,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
       }
     }
     const float dot = warp_reduce_scatter<kSlots>(partial, lane);
-    const float score = slot_head < G && t0 + slot_key < end ? dot * score_scale : kNegInf;
+    const float score = slot_head < G && t0 + slot_key < block_end ? dot * score_scale : kNegInf;
     float block_max = score;  // over the slot's head: kLanesPerHead aligned lanes
 #pragma unroll
     for (int offset = kLanesPerHead / 2; offset > 0; offset /= 2)
@@ -282,6 +278,12 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
         for (int j = 0; j < kPerLane; ++j) state.acc[h][j] = fmaf(p_hu, v[u][j], state.acc[h][j]);
       }
     }
+  };
+  if (folds_new_key) fold_block(new_key, pos, pos + 1);  // before the loop: its registers are free for it
+  constexpr int kWarpStride = kWarps * kKeysPerIter;
+  for (int t0 = first_key; t0 < end; t0 += kWarpStride) {
+    if (t0 + kWarpStride < end) load_block(t0 + kWarpStride, next);
+    fold_block(current, t0, end);
     current = next;
   }
   // Each head's sum: over its slots' counting lanes.

@@ -16,7 +16,7 @@
 // Weights need nothing from the stage before them, so each GEMV's first weight chunk per warp is
 // loaded while its CTA waits at the grid barrier in front of it (prefetch_weights), and so is the
 // first block of keys and values of each warp's attention while the CTA waits for its head's QKV
-// rows (issue_first_block: keys before the new position come from earlier steps); a residual
+// rows (issue_first_block: a split's keys come from earlier steps); a residual
 // that an epilogue adds is loaded before the dot product it waits for (gemv_row_pairs' operand).
 #include "attention.cuh"
 #include "common.cuh"

@@ -132,8 +132,7 @@ class KernelShape:
         merge = FLOAT_BYTES * merge_slots * (group_elems + 2 * self.group)  # merge max, sum, acc
         keys_per_iter = min(KV_ROW_BYTES_PER_ITER // (BF16_BYTES * self.head_dim), _pow2_floor(WARP_SIZE // self.group))
         first_block = 2 * WARPS * keys_per_iter * BF16_BYTES * self.head_dim  # every lane's K and V slices of one block per warp
-        new_row = 2 * BF16_BYTES * self.head_dim  # the new position's K and V row
-        attention = FLOAT_BYTES * group_elems + max(merge, first_block) + new_row + FLOAT_BYTES  # q, union, is_last_split
+        attention = FLOAT_BYTES * group_elems + max(merge, first_block) + FLOAT_BYTES  # q, union, is_last_split
         rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
         mlp_slice = FLOAT_BYTES * self.max_mlp_rows_per_cta  # the CTA's SiLU(gate) * up values
         return max(BF16_BYTES * self.max_input, attention) + rope + mlp_slice + SHARED_RESERVED
