@@ -3,7 +3,9 @@
 // Work item (g, s): KV head g (with its `group` query heads, GQA) over key positions of split s.
 // Each warp runs an online softmax over its share of the split's keys; the CTA merges its warps in
 // shared memory and writes one partial (acc[head_dim], max, sum) per query head; the CTA that
-// finishes a KV head's last split (a counter per KV head) combines all its splits into attn_out.
+// finishes a KV head's last split (a counter per KV head) combines all its splits into attn_out,
+// or, on shapes as small as Llama-3.2-1B (kFoldSplitsInO), every CTA folds all of them into its
+// input of the O projection after the grid barrier (fold_splits_to_shared).
 // The splits cover the keys of earlier steps, [0, pos). The last split's CTA also RMS-norms
 // (Qwen3), rotates and appends the new key and value to the cache, with a warp that prepares no
 // query head (or the fewest), and that warp folds the new key into its own softmax state from
@@ -18,6 +20,22 @@ namespace megakernel {
 
 constexpr int kMaxSplits = 64;       // partial results per query head
 constexpr int kCombineChunk = 16;    // splits whose partials one combine thread loads at once
+// A split's partial of one query head: acc[head_dim], max, sum, and 2 floats of padding, so that
+// every partial starts 16 bytes aligned for fold_splits_to_shared's vector loads.
+template <class S>
+constexpr int kPartialStride = S::head_dim + 4;
+// The splits are folded in the O stage's input staging (fold_splits_to_shared) instead of by the
+// last split's CTA when every CTA's read of them is small: kFoldChunk splits of q_dim floats per L2
+// round trip, 64 KB on Llama-3.2-1B (2,048 channels; 8 splits at context 1,024); the 8B shapes'
+// 128 KB per chunk would cost more than the two round trips (the split counter, the combine's
+// loads) that folding there saves. kFoldChunk: a thread's 16-byte loads per chunk, 32 registers
+// (16 of them made 1B spill). A head's quads of channels fit in one warp, lane j of them loading
+// split j's max and sum.
+constexpr int kFoldChunk = 8;
+constexpr int kFoldInOMaxBytes = 64 * 1024;
+template <class S>
+constexpr bool kFoldSplitsInO = S::q_dim * kFoldChunk * static_cast<int>(sizeof(float)) <= kFoldInOMaxBytes &&
+                                S::head_dim / 4 <= kWarpSize && kFoldChunk <= S::head_dim / 4;
 // Shared memory for the warps' accumulators in one round of the CTA merge: 32 KB holds all 16
 // warps' at group 4 x head_dim 128 and leaves room in the 48 KB of static shared memory for q,
 // the new row, the RoPE table and the reductions; larger groups merge in more rounds.
@@ -177,7 +195,6 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
   constexpr int kSlots = pow2_ceil(G * kKeysPerIter);  // (head, key) scores of one iteration, padded
   constexpr int kLanesPerSlot = kWarpSize / kSlots;
   constexpr int kLanesPerHead = kKeysPerIter * kLanesPerSlot;
-  constexpr int kPartialStride = HD + 2;  // acc[HD], max, sum
   constexpr int kAppendWarp = kWarps - 1;  // prepares query heads only when G >= kWarps
   const float score_scale = rsqrtf(static_cast<float>(HD)) * kLog2e;  // softmax in base 2
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -324,11 +341,13 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
   for (int i = 0; i < M::kChannelsPerThread; ++i) {
     const int c = threadIdx.x + i * kThreads, h = c / HD, d = c % HD;
     if (c < M::kChannels) {
-      float* out = partials + (static_cast<size_t>(g * G + h) * kMaxSplits + split) * kPartialStride;
+      float* out = partials + (static_cast<size_t>(g * G + h) * kMaxSplits + split) * kPartialStride<S>;
       out[d] = channel[i].acc;
       if (d == 0) out[HD] = channel[i].max, out[HD + 1] = channel[i].sum;
     }
   }
+
+  if constexpr (kFoldSplitsInO<S>) return;  // the O stage folds the splits (fold_splits_to_shared)
 
   // The CTA that completes KV head g's last split combines all of g's splits.
   __syncthreads();
@@ -344,13 +363,13 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     // kCombineChunk splits cost one L2 round trip.
     for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
       const int h = idx / HD, d = idx % HD;
-      const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride;
+      const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride<S>;
       ChannelSoftmax run;
       for (int s0 = 0; s0 < splits; s0 += kCombineChunk) {
         float m[kCombineChunk], l[kCombineChunk], a[kCombineChunk];
 #pragma unroll
         for (int i = 0; i < kCombineChunk; ++i) {
-          const float* split_part = part + (s0 + i) * kPartialStride;
+          const float* split_part = part + (s0 + i) * kPartialStride<S>;
           const bool valid = s0 + i < splits;
           m[i] = valid ? __ldcg(split_part + HD) : kNegInf;
           l[i] = valid ? __ldcg(split_part + HD + 1) : 0.f;
@@ -362,6 +381,56 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
     }
     if (threadIdx.x == 0) split_counters[g] = 0;
   }
+}
+
+// out (shared, bf16 [q_dim]) = the attention output, folded from every query head's split partials
+// (kFoldSplitsInO: the grid barrier after attention has published them). A thread owns a quad of
+// 4 consecutive channels of one head; a head's head_dim / 4 quads are consecutive lanes of one
+// warp, and lane j of them loads split j's max and sum, so a chunk of kFoldChunk splits costs
+// one L2 round trip: 16-byte loads of the quad's partials of every split, 8-byte ones of the
+// lane's split's max and sum, then shuffles within the head's lanes.
+template <class S>
+__device__ __forceinline__ void fold_splits_to_shared(const float* partials, int splits, bf16* out) {
+  constexpr int kQuadsPerHead = S::head_dim / 4, kQuads = S::q_dim / 4;
+  static_assert(kFoldSplitsInO<S> && kQuads % kWarpSize == 0, "a warp's lanes own whole heads");
+  const int lane = threadIdx.x % kWarpSize, head_lane = lane % kQuadsPerHead, head_first_lane = lane - head_lane;
+  for (int quad = threadIdx.x; quad < kQuads; quad += kThreads) {  // warp-uniform: kQuads % 32 == 0
+    const float* part = partials + static_cast<size_t>(quad / kQuadsPerHead) * kMaxSplits * kPartialStride<S>;
+    float run_max = kNegInf, run_sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < splits; s0 += kFoldChunk) {
+      float4 a[kFoldChunk];
+#pragma unroll
+      for (int i = 0; i < kFoldChunk; ++i)
+        a[i] = s0 + i < splits ? __ldcg(reinterpret_cast<const float4*>(part + (s0 + i) * kPartialStride<S>) + head_lane)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+      const bool loads_split = head_lane < kFoldChunk && s0 + head_lane < splits;
+      const float2 max_sum = loads_split ? __ldcg(reinterpret_cast<const float2*>(
+                                               part + (s0 + head_lane) * kPartialStride<S> + S::head_dim))
+                                         : make_float2(kNegInf, 0.f);
+      float chunk_max = fmaxf(run_max, max_sum.x);  // finite: split s0 has a key
+#pragma unroll
+      for (int offset = kQuadsPerHead / 2; offset > 0; offset /= 2)
+        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(kFullMask, chunk_max, offset));
+      const float weight = loads_split ? exp2f(max_sum.x - chunk_max) : 0.f;
+      float weighted_sum = max_sum.y * weight;
+#pragma unroll
+      for (int offset = kQuadsPerHead / 2; offset > 0; offset /= 2)
+        weighted_sum += __shfl_xor_sync(kFullMask, weighted_sum, offset);
+      const float rescale = run_max == kNegInf ? 0.f : exp2f(run_max - chunk_max);
+      run_sum = fmaf(run_sum, rescale, weighted_sum);
+      acc = make_float4(acc.x * rescale, acc.y * rescale, acc.z * rescale, acc.w * rescale);
+#pragma unroll
+      for (int i = 0; i < kFoldChunk; ++i) {
+        const float w = __shfl_sync(kFullMask, weight, head_first_lane + i);
+        acc = make_float4(fmaf(w, a[i].x, acc.x), fmaf(w, a[i].y, acc.y), fmaf(w, a[i].z, acc.z), fmaf(w, a[i].w, acc.w));
+      }
+      run_max = chunk_max;
+    }
+    reinterpret_cast<uint2*>(out)[quad] = make_uint2(float2_to_bf16x2(acc.x / run_sum, acc.y / run_sum),
+                                                      float2_to_bf16x2(acc.z / run_sum, acc.w / run_sum));
+  }
+  __syncthreads();
 }
 
 }  // namespace megakernel

@@ -5,6 +5,7 @@
 // except that attention on a KV head waits only for that head's q, k and v rows (HeadRows):
 //   1. residual + down, RMSNorm (recomputed per CTA into shared memory) + QKV GEMV -> qkv
 //   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention + combine       -> attn_out
+//      (kFoldSplitsInO shapes: the splits' partials, which stage 3 folds as it stages its input)
 //      (RoPE's cos/sin are computed once per step into shared memory: the same for every layer)
 //   3. O-proj GEMV + residual + down                                              -> hidden
 //   4. RMSNorm + gate/up GEMV + SiLU * up of the CTA's slice of the intermediate rows (in shared
@@ -294,7 +295,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                        counters + kCounterSplits, attn_out, sh.attention);
     end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, whole_grid(), OProjRows<S>{w.wo}); });
 
-    stage_to_shared<S::q_dim>(attn_out, sh.x);
+    if constexpr (kFoldSplitsInO<S>)
+      fold_splits_to_shared<S>(attn_partials, key_splits<S>(pos).splits, sh.x);
+    else
+      stage_to_shared<S::q_dim>(attn_out, sh.x);
     // The residual (with the previous layer's down added exactly as the QKV RMSNorm did) plus O.
     const float* previous_down = previous_down_of(l);
     const auto residual_and_down = [&](int p) {

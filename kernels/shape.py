@@ -17,6 +17,7 @@ WARP_SIZE = 32
 WARPS = THREADS // WARP_SIZE
 VEC_ELEMS = 8  # bf16 per 16-byte load
 MAX_SPLITS = 64  # kMaxSplits of attention.cuh
+PARTIAL_EXTRA = 4  # kPartialStride<S> - head_dim: a split's max, sum and 2 floats of padding
 KV_ROW_BYTES_PER_ITER = 1024  # kKvRowBytesPerIter of kv_rows.cuh
 MERGE_ACC_BYTES = 32 * 1024  # kMergeAccBytes of attention.cuh
 HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
