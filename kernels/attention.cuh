@@ -20,10 +20,11 @@ namespace megakernel {
 
 constexpr int kMaxSplits = 64;       // partial results per query head
 constexpr int kCombineChunk = 16;    // splits whose partials one combine thread loads at once
-// A split's partial of one query head: acc[head_dim], max, sum, and 2 floats of padding, so that
-// every partial starts 16 bytes aligned for fold_splits_to_shared's vector loads.
+// A split's partial of one query head, in floats: acc[head_dim], then max, sum and 2 floats of
+// padding, so that every partial starts 16 bytes aligned for fold_splits_to_shared's vector loads.
+constexpr int kPartialExtraFloats = 4;
 template <class S>
-constexpr int kPartialStride = S::head_dim + 4;
+constexpr int kPartialStride = S::head_dim + kPartialExtraFloats;
 // The splits are folded in the O stage's input staging (fold_splits_to_shared) instead of by the
 // last split's CTA when every CTA's read of them is small: kFoldChunk splits of q_dim floats per L2
 // round trip, 64 KB on Llama-3.2-1B (2,048 channels; 8 splits at context 1,024); the 8B shapes'

@@ -22,7 +22,7 @@ import torch
 from cuda.core import Device, LaunchConfig, launch
 
 from .build import KernelCache, arch_for
-from .shape import MAX_SPLITS, PARTIAL_EXTRA, THREADS, KernelShape
+from .shape import MAX_SPLITS, PARTIAL_EXTRA_FLOATS, THREADS, KernelShape
 
 # decode_step.cu's enums and constants, mirrored.
 STATE_TOKEN, STATE_POS, STATE_ARGMAX, STATE_SLOTS = 0, 1, 2, 4
@@ -153,7 +153,8 @@ class DecodeStep:
         self.attn_out = torch.empty(shape.q_dim, dtype=KERNEL_DTYPE, device=dev)
         # zeros, then the down projection's fp32 sums of even and odd layers (zeroed by the kernel)
         self.down_sums = torch.zeros(3, shape.hidden, dtype=torch.float32, device=dev)
-        partials = shape.heads * MAX_SPLITS * (shape.head_dim + PARTIAL_EXTRA)  # acc[head_dim], max, sum, padding
+        # per query head and split: acc[head_dim], max, sum and padding
+        partials = shape.heads * MAX_SPLITS * (shape.head_dim + PARTIAL_EXTRA_FLOATS)
         self.attn_partials = torch.empty(partials, dtype=torch.float32, device=dev)
         self.logits = torch.empty(shape.vocab, dtype=torch.float32, device=dev)  # [V], bf16-exact values
         self.argmax_partials = torch.empty(self.grid, dtype=torch.int64, device=dev)
