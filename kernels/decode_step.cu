@@ -212,6 +212,14 @@ struct SharedStorage {
   float2 split_sums[kWarps];  // per-warp partial dots of a row pair shared by warps (gemv_row_pairs)
 };
 
+// Warps per CTA that prefetch the O projection's first chunks at the barrier after attention: all
+// of them where O folds the attention splits (kFoldSplitsInO), since attention's arrival tail is
+// short there (1 µs per layer on Llama-3.2-1B) and O's weights would land after the barrier (run 48:
+// 1B 0.8-1.5% faster); kPrefetchWarps elsewhere, where a larger burst meets the last attention CTAs'
+// round trips (8B shapes 0.1-0.7% slower with all 16).
+template <class S>
+constexpr int kAheadWarpsBeforeO = kFoldSplitsInO<S> ? kWarps : kPrefetchWarps;
+
 constexpr int kStaticSharedLimit = 48 * 1024;
 constexpr int kStagesPerLayer = 4;  // each ends at a grid barrier (QKV: at its KV head's counts)
 
@@ -293,7 +301,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     attention_stage<S>(qkv, cache, w.q_norm, w.k_norm, sh.rope, pos, max_seq, rms_eps, attn_partials,
                        counters + kCounterSplits, attn_out, sh.attention);
-    end_stage(timer, barrier, [&] { ahead = prefetch_weights<S::q_dim>(kOPairs, whole_grid(), OProjRows<S>{w.wo}); });
+    end_stage(timer, barrier, [&] {
+      ahead = prefetch_weights<S::q_dim, kAheadWarpsBeforeO<S>>(kOPairs, whole_grid(), OProjRows<S>{w.wo});
+    });
 
     if constexpr (kFoldSplitsInO<S>)
       fold_splits_to_shared<S>(attn_partials, key_splits<S>(pos).splits, sh.x);
@@ -305,8 +315,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       return ResidualAndProjection{__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p),
                                    __ldcg(reinterpret_cast<const float2*>(previous_down) + p)};
     };
-    gemv_row_pairs<S::q_dim>(kOPairs, whole_grid(), sh.x, OProjRows<S>{w.wo}, sh.split_sums, ahead,
-                             residual_and_down, [&](int p, float d0, float d1, ResidualAndProjection in) {
+    gemv_row_pairs<S::q_dim, kAheadWarpsBeforeO<S>>(kOPairs, whole_grid(), sh.x, OProjRows<S>{w.wo}, sh.split_sums,
+                                                    ahead, residual_and_down,
+                                                    [&](int p, float d0, float d1, ResidualAndProjection in) {
       const float2 res = __bfloat1622float2(in.residual);
       const float h0 = add_projection(res.x, in.down.x), h1 = add_projection(res.y, in.down.y);
       reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(h0 + bf16_round(d0), h1 + bf16_round(d1));

@@ -167,17 +167,19 @@ __device__ __forceinline__ void load_chunk(const RowPair& pair, int base, int en
 // The first chunk of this warp's first row pair in a GEMV, loaded before the grid barrier that
 // precedes it: weights never depend on activations, so their HBM latency runs under the barrier
 // wait and the staging of the input vector instead of after them. Only the CTA's first
-// kPrefetchWarps warps do (the others' chunks are empty and they load theirs after the barrier):
+// kAheadWarps warps do (the others' chunks are empty and they load theirs after the barrier;
+// gemv_row_pairs takes the same count):
 // every warp's chunk, 8.4 MB over the grid, reached HBM as one burst that the barrier's own
 // polls queued behind (measured on H200, run 42: half the warps made the 8B step 1.2% faster
 // and Qwen3-8B 1.8%, 1B the same; none of them, run 31, slower). (A warp with no pair in this
 // GEMV loads the last pair's chunk, which that pair's warp reads too, and never uses it.)
 constexpr int kPrefetchWarps = kWarps / 2;
 
-template <int K, class Rows>
+template <int K, int kAheadWarps = kPrefetchWarps, class Rows>
 __device__ __forceinline__ WeightChunk prefetch_weights(int num_pairs, CtaRange ctas, Rows rows) {
+  static_assert(kAheadWarps > 0 && kAheadWarps <= kWarps, "a CTA has kWarps warps");
   const WarpShare share = warp_share<K>(num_pairs, ctas);
-  const bool prefetches = static_cast<int>(threadIdx.x) / kWarpSize < kPrefetchWarps;
+  const bool prefetches = static_cast<int>(threadIdx.x) / kWarpSize < kAheadWarps;
   WeightChunk chunk;  // an empty range of vectors for the other warps: every load masked
   load_chunk(rows(min(share.first_pair, num_pairs - 1)), share.begin, prefetches ? share.end : share.begin,
              threadIdx.x % kWarpSize, chunk);
@@ -212,10 +214,10 @@ __device__ __forceinline__ float2 dot_rows2(const RowPair& pair, const bf16* x, 
 // Every warp of the CTAs `ctas` takes pairs of rows in turn. rows(p) -> {w0, w1} gives pair p's two rows
 // (each K long); lane 0 of one warp then calls epilogue(p, dot0, dot1, operand(p)), where
 // operand(p) (e.g. the residual the result adds to) is loaded before the pair's dot product, so its
-// latency runs under the weights'. `ahead` is this warp's prefetch_weights for the same GEMV. When
+// latency runs under the weights'. `ahead` is this warp's prefetch_weights<K, kAheadWarps> for the same GEMV. When
 // warps share a pair (k_split), they are warps of one CTA and add their slices through split_sums
 // (shared, [kWarps]).
-template <int K, class Rows, class Operand, class Epilogue>
+template <int K, int kAheadWarps = kPrefetchWarps, class Rows, class Operand, class Epilogue>
 __device__ __forceinline__ void gemv_row_pairs(int num_pairs, CtaRange ctas, const bf16* x, Rows rows,
                                                float2* split_sums, const WeightChunk& ahead, Operand operand,
                                                Epilogue epilogue) {
@@ -226,7 +228,7 @@ __device__ __forceinline__ void gemv_row_pairs(int num_pairs, CtaRange ctas, con
     for (int p = share.first_pair; p < num_pairs; p += share.pair_stride) {
       const auto value = operand(p);
       const float2 d = dot_rows2(rows(p), x, lane, share.begin, share.end, ahead,
-                                 p == share.first_pair && warp < kPrefetchWarps);
+                                 p == share.first_pair && warp < kAheadWarps);
       if (lane == 0) epilogue(p, d.x, d.y, value);
     }
     return;
@@ -239,7 +241,7 @@ __device__ __forceinline__ void gemv_row_pairs(int num_pairs, CtaRange ctas, con
     const auto value = operand(mine ? p : 0);
     if (p < num_pairs) {
       const float2 d = dot_rows2(rows(p), x, lane, share.begin, share.end, ahead,
-                                 p == share.first_pair && warp < kPrefetchWarps);
+                                 p == share.first_pair && warp < kAheadWarps);
       if (lane == 0) split_sums[warp] = d;
     }
     __syncthreads();
