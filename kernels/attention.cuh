@@ -161,9 +161,9 @@ __device__ __forceinline__ WorkItem cta_work_item(int pos, int max_seq) {
 
 // The K and V rows of this warp's first block of keys, copied into sh.first_block while the CTA
 // waits for the QKV rows before attention: the split's keys were written by earlier steps, so
-// their HBM latency runs under the wait. Asynchronous copies, not loads: a block held in registers across the wait
-// spilled on 8B. sh.first_block shares the union with the GEMV input, which the CTA is done with
-// once it has written its QKV rows.
+// their HBM latency runs under the wait. Asynchronous copies, not loads: a block held in registers
+// across the wait spilled on 8B. sh.first_block shares the union with the GEMV input, which the CTA
+// is done with once it has written its QKV rows.
 template <class S>
 __device__ __forceinline__ void issue_first_block(const LayerCache& cache, int pos, int max_seq, AttentionShared<S>& sh) {
   using T = KeyTiling<S>;

@@ -214,8 +214,8 @@ struct SharedStorage {
 
 // Warps per CTA that prefetch the O projection's first chunks at the barrier after attention: all
 // of them where O folds the attention splits (kFoldSplitsInO), since attention's arrival tail is
-// short there (1 µs per layer on Llama-3.2-1B) and O's weights would land after the barrier (run 48:
-// 1B 0.8-1.5% faster); kPrefetchWarps elsewhere, where a larger burst meets the last attention CTAs'
+// short there (1 µs per layer on Llama-3.2-1B) and O's weights would land after the barrier (run 50:
+// 1B 0.7-1.5% faster); kPrefetchWarps elsewhere, where a larger burst meets the last attention CTAs'
 // round trips (8B shapes 0.1-0.7% slower with all 16).
 template <class S>
 constexpr int kAheadWarpsBeforeO = kFoldSplitsInO<S> ? kWarps : kPrefetchWarps;

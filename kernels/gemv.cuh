@@ -214,9 +214,9 @@ __device__ __forceinline__ float2 dot_rows2(const RowPair& pair, const bf16* x, 
 // Every warp of the CTAs `ctas` takes pairs of rows in turn. rows(p) -> {w0, w1} gives pair p's two rows
 // (each K long); lane 0 of one warp then calls epilogue(p, dot0, dot1, operand(p)), where
 // operand(p) (e.g. the residual the result adds to) is loaded before the pair's dot product, so its
-// latency runs under the weights'. `ahead` is this warp's prefetch_weights<K, kAheadWarps> for the same GEMV. When
-// warps share a pair (k_split), they are warps of one CTA and add their slices through split_sums
-// (shared, [kWarps]).
+// latency runs under the weights'. `ahead` is this warp's prefetch_weights<K, kAheadWarps> for the
+// same GEMV. When warps share a pair (k_split), they are warps of one CTA and add their slices
+// through split_sums (shared, [kWarps]).
 template <int K, int kAheadWarps = kPrefetchWarps, class Rows, class Operand, class Epilogue>
 __device__ __forceinline__ void gemv_row_pairs(int num_pairs, CtaRange ctas, const bf16* x, Rows rows,
                                                float2* split_sums, const WeightChunk& ahead, Operand operand,
