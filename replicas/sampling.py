@@ -33,8 +33,10 @@ HALF_MASK = 0xFFFF
 # The two multipliers of Chris Wellons' "lowbias32" integer hash (good avalanche, 2 rounds).
 HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 HASH_SHIFTS = (16, 15, 16)
-# A float32 holds 24 mantissa bits: u = (top 24 bits of the hash + 0.5) / 2**24 lies in (0, 1).
-UNIFORM_BITS = 24
+# u = (top 23 bits of the hash + 0.5) / 2**23 lies in (0, 1) in float32, whose 24 significant bits
+# hold every such value exactly; with 24 hash bits the largest, (2**24 - 0.5) / 2**24, would round
+# to 1.0, whose Gumbel noise is +inf and outweighs the -inf of a token filtered out by top-k/top-p.
+UNIFORM_BITS = 23
 # Domain separation for the three hash inputs, so that (seed, position, token) never alias.
 SEED_HIGH_SALT = 0x9E3779B9
 POSITION_SALT = 0x85EBCA77

@@ -89,6 +89,19 @@ def test_seeded_noise_is_uniform_and_distinct_across_seeds():
     assert len(set(noise[:, 0].tolist())) > 990  # distinct seeds give distinct draws
 
 
+def test_seeded_noise_never_reaches_one():
+    # Seed 1234 at position 102 hashes vocabulary index 120,466 to the largest value: with 24 hash
+    # bits that u rounded to 1.0 in float32 and made an infinite Gumbel draw.
+    vocab = 128_256
+    noise = seeded_uniform(torch.tensor([1234]), torch.tensor([0]), torch.tensor([102]), vocab)
+    assert noise.max() < 1 and noise.min() > 0
+    # ... which picked that token even where top-k had filtered it out
+    logits = torch.full((1, vocab), -10.0)
+    logits[0, 7] = 10.0
+    rows = SamplingRows.build([SamplingParams(temperature=1.0, top_k=5, seed=1234)], vocab, "cpu")
+    assert sample(logits, rows, torch.tensor([102])).item() == 7
+
+
 def test_hash_stays_in_32_bits_for_extreme_inputs():
     x = torch.tensor([0, 1, 2**31, 2**32 - 1])
     h = hash32(x)
