@@ -124,12 +124,18 @@ class Generation:
         final: Delta | None = None
         async with closing(self.backend.stream(request)) as stream:
             async for output in stream:
-                self._count(output, first)
+                # Token by token, so that a stop string ends the count at the token that completes it.
+                released, stopped, used = "", False, 0
+                for token in output.token_ids:
+                    text, stopped = matcher.push(detokenizer.push(token))
+                    released, used = released + text, used + 1
+                    if stopped:
+                        break
+                if not stopped and output.finish_reason is not None:
+                    text, stopped = matcher.push(detokenizer.finish())
+                    released += text
+                self._count(output, used, first)
                 first = first and not output.token_ids
-                text = "".join(detokenizer.push(token) for token in output.token_ids)
-                if output.finish_reason is not None:
-                    text += detokenizer.finish()
-                released, stopped = matcher.push(text)
                 if stopped:
                     final = self._finish(index, released, FinishReason.STOP.value)
                     break
@@ -144,11 +150,12 @@ class Generation:
             raise GenerationFailed("the replica stream ended without a finish reason")
         yield final  # after the replica stream is closed: a stop string frees the replica first
 
-    def _count(self, output: StepOutput, first_of_choice: bool) -> None:
-        if not output.token_ids:
+    def _count(self, output: StepOutput, tokens: int, first_of_choice: bool) -> None:
+        """Record the first `tokens` of `output`: those before a stop string, or all of them."""
+        if not tokens:
             return
         now = time.perf_counter()
-        steps = output.step_seconds
+        steps = output.step_seconds[:tokens]
         if self.first_token_at is None:
             self.first_token_at = now
             TIME_TO_FIRST_TOKEN.labels(tier=self.tier.value, model=self.model).observe(now - self.arrival)
@@ -159,7 +166,7 @@ class Generation:
             histogram.observe(seconds)
         self.decode_seconds += sum(steps)
         self.decode_tokens += len(steps)
-        self.completion_tokens += len(output.token_ids)
+        self.completion_tokens += tokens
 
     def _finish(self, index: int, text: str, finish_reason: str) -> Delta:
         self.finish_reasons[index] = finish_reason

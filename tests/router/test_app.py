@@ -100,7 +100,7 @@ def test_stop_string_spanning_tokens_truncates_the_text_and_frees_the_replica(ro
                 response.read()
                 choice = response.json()["choices"][0]
                 text, finish = choice["text"], choice["finish_reason"]
-                assert response.json()["usage"]["completion_tokens"] < 40
+                assert response.json()["usage"]["completion_tokens"] == 2  # "ox" "ox": none after the stop
         # "x" of the first token was held back as a possible start of "xo", and never sent.
         assert (text, finish) == ("o", "stop")
         wait_until(lambda: running_requests(engines[Tier.LATENCY]) == 0)
