@@ -119,7 +119,7 @@ def _burn_alert(slo: LatencySLO, window: BurnWindow) -> dict:
 
 
 def _spillover_alert() -> dict:
-    spilled = (f'sum by (model) (rate(megaserve_routed_requests_total{{reason="spillover"}}'
+    spilled = (f'sum by (model) (rate(megaserve_routed_requests_total{{tier="throughput", reason="spillover"}}'
                f"[{SPILLOVER_WINDOW}]))")
     served = (f'sum by (model) (rate(megaserve_routed_requests_total{{tier="latency"}}'
               f"[{SPILLOVER_WINDOW}]))")

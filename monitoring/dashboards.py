@@ -126,7 +126,8 @@ def serving() -> dashboard.Dashboard:
         .with_row(dashboard.Row("Requests"))
         .with_panel(_panel(
             "Requests routed, by tier and reason", "Why the router chose each tier: requested "
-            "(service_tier), header, policy, prompt_length, n, spillover.", "reqps",
+            "(service_tier), header, policy, prompt_length, n, spillover, only_tier (the other tier is "
+            "not deployed).", "reqps",
             [Query(summed_rate("megaserve_routed_requests_total", MODELS, RATE_WINDOW,
                                ("tier", "reason")), "{{tier}} {{reason}}")]))
         .with_panel(_panel(

@@ -103,7 +103,7 @@ GENERATION_TOKENS = Counter(
 ROUTED_REQUESTS = Counter(
     "megaserve_routed_requests",
     "Requests sent to a tier, by the reason the router chose it "
-    "(requested, header, policy, prompt_length, n, spillover).",
+    "(requested, header, policy, prompt_length, n, spillover, only_tier).",
     ["tier", "model", "reason"],
 )
 REJECTED_REQUESTS = Counter(

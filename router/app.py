@@ -226,7 +226,8 @@ class _Router:
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        priority = SPILLOVER_PRIORITY if lease.route.reason == "spillover" else 0
+        asked_for_latency = lease.tier is Tier.THROUGHPUT and lease.route.reason in ("spillover", "only_tier")
+        priority = SPILLOVER_PRIORITY if asked_for_latency else 0
         generation = Generation(
             backend=self.backends[lease.tier],
             requests=[

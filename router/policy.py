@@ -14,7 +14,7 @@ against the tier's capacity. A latency request that finds no free slot waits up 
 `latency_wait_seconds` in FIFO order, then spills over to throughput (reason "spillover") if
 `spillover` is on, else is refused. Throughput never spills to latency: a batch-1 replica is too
 precious for work that asked for bulk service. A deployment of one tier serves every request on
-that tier (reason "spillover" when it asked for the other). Refusals: 429 when the slots are
+that tier (reason "only_tier" when it asked for the other). Refusals: 429 when the slots are
 taken, 503 when the tier has no healthy replica, both with Retry-After; 400 when `n` is more than
 the tier ever runs at once.
 """
@@ -40,7 +40,7 @@ OTHER_TIER = {Tier.LATENCY: Tier.THROUGHPUT, Tier.THROUGHPUT: Tier.LATENCY}
 @dataclass(frozen=True)
 class Route:
     tier: Tier
-    reason: str  # requested | header | policy | prompt_length | n | spillover
+    reason: str  # requested | header | policy | prompt_length | n | spillover | only_tier
 
 
 def choose_tier(
@@ -153,7 +153,7 @@ class Admission:
         """A lease on `route.tier`, on the other tier if that one alone is deployed, on throughput
         after spillover, or an APIError (429/503)."""
         if not self.deployed(route.tier):
-            route = Route(OTHER_TIER[route.tier], "spillover")
+            route = Route(OTHER_TIER[route.tier], "only_tier")
         if route.tier is Tier.LATENCY:
             healthy = await self.healthy(Tier.LATENCY)
             if healthy and await self._take(Tier.LATENCY, slots):

@@ -171,5 +171,5 @@ def test_a_single_tier_deployment_serves_everything_from_it(serve_router, engine
     response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                           "service_tier": "priority"})
     assert response.headers["x-megaserve-tier"] == "throughput"
-    assert response.headers["x-megaserve-route-reason"] == "spillover"
+    assert response.headers["x-megaserve-route-reason"] == "only_tier"
     assert httpx.get(url + "/health").json()["tiers"]["latency"]["healthy"] is False

@@ -150,7 +150,7 @@ async def test_a_one_tier_deployment_serves_everything_on_its_tier_and_is_429_wh
         only = {tier: EngineBackend(engines[tier])}
         admission = Admission(settings(spillover=False, **{f"{other.value}_capacity": 0}), only)
         leases = [await admission.admit(Route(other, "requested"), 1)]
-        assert leases[0].route == Route(tier, "spillover")
+        assert leases[0].route == Route(tier, "only_tier")
         while admission.slots[tier].take_now(1):  # fill the tier
             leases.append(Lease(admission.slots[tier], 1, Route(tier, "policy")))
         for route in (Route(tier, "policy"), Route(other, "requested")):
