@@ -131,6 +131,10 @@ def _stream_from_server(args: argparse.Namespace, url: str) -> int:
             if not line.startswith(SSE_DATA) or line == SSE_DATA + "[DONE]":
                 continue
             chunk = json.loads(line[len(SSE_DATA):])
+            if "error" in chunk:  # a failure after the 200: the router's last event
+                message = (chunk["error"] or {}).get("message") or "no message"
+                print(f"\nmegaserve generate: {url} failed mid-stream: {message}", file=sys.stderr)
+                return 2
             usage = chunk.get("usage") or usage
             timing = chunk.get("timing") or timing  # the router's extension, with usage
             for choice in chunk.get("choices", []):

@@ -3,9 +3,11 @@ against a running server."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -56,6 +58,39 @@ def _generate_fails(*args: str) -> str:
 def test_a_missing_model_is_a_one_line_error(tmp_path):
     error = _generate_fails("hi", "--model", str(tmp_path / "nothing-here"))
     assert f"cannot run the torch engine on {tmp_path / 'nothing-here'}: no tokenizer.json" in error
+
+
+class FailingStreamHandler(http.server.BaseHTTPRequestHandler):
+    """A server whose generation fails after its 200, as the router reports a replica's failure."""
+
+    def do_GET(self):  # /v1/models
+        self._send(200, "application/json", json.dumps({"data": [{"id": "m"}]}))
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        error = {"error": {"message": "the replica died", "type": "server_error", "param": None, "code": None}}
+        self._send(200, "text/event-stream", f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n")
+
+    def _send(self, status: int, content_type: str, text: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text.encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_stream_that_fails_after_its_200_is_an_error():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingStreamHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        error = _generate_fails("hi", "--url", f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert "failed mid-stream: the replica died" in error
 
 
 def test_an_unreachable_server_is_a_one_line_error():
