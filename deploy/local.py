@@ -111,6 +111,9 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         deployer.start()
         last = ""
         while True:
+            if stop.is_set():  # SIGTERM while deploying: stop now, not once the app is ready
+                _say("asked to stop before the app was ready")
+                return 0
             status = serve.status()
             progress = _deployment_progress(status)
             if progress != last:

@@ -20,7 +20,8 @@ from tests.live import free_port
 pytestmark = pytest.mark.integration
 
 
-def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
+def _start_up(tmp_path) -> tuple[subprocess.Popen, int]:
+    """`megaserve up` on the default config, in a session of its own; returns it and its port."""
     config = load_serve_config(None)
     app = config["applications"][0]["args"]
     app["metrics"] = {"port": free_port(), "bind_host": "127.0.0.1",
@@ -30,12 +31,30 @@ def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
     port = free_port()
     env = dict(os.environ, MEGASERVE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1",
                RAY_AUTH_TOKEN=secrets.token_hex(16))
-    started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "megaserve.deploy.cli", "up", str(path), "--port", str(port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
+    return proc, port
+
+
+def _stop(proc: subprocess.Popen, signum: int) -> str:
+    """Send `signum`, wait for the exit, kill what the cluster left behind; returns the rest of the output."""
+    proc.send_signal(signum)
+    try:
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return rest
+
+
+def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
+    started = time.monotonic()
+    proc, port = _start_up(tmp_path)
     lines = []
     try:
         for line in proc.stdout:
@@ -51,14 +70,23 @@ def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
         assert reply.choices[0].message.content is not None
         print(f"megaserve up: first request answered {first_answer:.1f} s after start")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rest, _ = proc.communicate(timeout=120)
-        finally:
-            try:  # anything the cluster left behind in the session
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        rest = _stop(proc, signal.SIGINT)
     assert proc.returncode == 0, "".join(lines) + rest
     assert "megaserve: stopping" in rest
     assert re.search(r"ready in \d+\.\d s", "".join(lines))
+
+
+def test_up_stops_on_sigterm_while_it_is_still_deploying(tmp_path):
+    proc, _ = _start_up(tmp_path)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "DEPLOYING" in line:
+                break
+    finally:
+        rest = _stop(proc, signal.SIGTERM)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert "asked to stop before the app was ready" in rest and "ready in" not in output
+    assert "megaserve: stopping" in rest
