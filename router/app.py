@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
 from megaserve.replicas.protocol import EngineError, GenerateRequest, SamplingParams, Tier
@@ -63,6 +64,7 @@ def create_app(
     app.state.router = router
     app.add_exception_handler(APIError, router.error_response)
     app.add_exception_handler(StarletteHTTPException, _http_error_response)
+    app.add_exception_handler(ClientDisconnect, _client_gone_response)
     app.add_exception_handler(Exception, _unexpected_error_response)
     app.add_api_route("/v1/chat/completions", router.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
@@ -308,6 +310,11 @@ async def _http_error_response(request: Request, error: StarletteHTTPException) 
     body = {"error": {"message": f"{request.method} {request.url.path}: {error.detail}",
                       "type": INVALID_REQUEST, "param": None, "code": None}}
     return JSONResponse(body, error.status_code, headers=error.headers)
+
+
+async def _client_gone_response(request: Request, error: ClientDisconnect) -> Response:
+    """The client left while sending its body: nothing to answer, nothing went wrong here."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def _unexpected_error_response(request: Request, error: Exception) -> Response:

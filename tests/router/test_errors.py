@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import time
 
 import httpx
 import pytest
@@ -14,6 +17,7 @@ from .conftest import MODEL
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
+LEFT_CLIENT_SETTLE_SECONDS = 0.5
 
 
 def chat(**fields) -> bytes:
@@ -129,3 +133,14 @@ def test_refusals_are_counted_and_the_server_keeps_serving(router_url):
     assert invalid._value.get() == before + len(BAD_REQUESTS)
     served = httpx.post(router_url + CHAT, content=chat(max_tokens=2))
     assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"]
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(router_url, caplog):
+    host, port = router_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    with caplog.at_level(logging.ERROR):
+        time.sleep(LEFT_CLIENT_SETTLE_SECONDS)  # the router sees the connection close
+        assert httpx.get(f"{router_url}/v1/models").status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
