@@ -10,6 +10,7 @@ files of processes that no longer exist, so `livesum` gauges do not count dead r
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -72,8 +73,11 @@ def _serve_forever(host: str, port: int, retry_seconds: float) -> None:
     while True:
         try:
             server = ThreadingHTTPServer((host, port), handler)
-        except OSError:  # another process on this node holds the port: wait to take over
-            time.sleep(retry_seconds)
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:  # a wrong host or a privileged port: no retry helps
+                log.error("cannot serve node metrics on %s:%d: %s", host, port, error)
+                return
+            time.sleep(retry_seconds)  # another process on this node holds the port: wait to take over
             continue
         log.info("serving node metrics on %s:%d", host, port)
         folder = multiprocess_dir()

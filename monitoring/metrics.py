@@ -35,9 +35,6 @@ LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-TOKEN_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-STEP_PHASES = ("prefill", "decode", "draft", "verify")
 
 # --- engines (recorded inside replicas) -------------------------------------------------------
 STEP_DURATION = Histogram(
@@ -50,7 +47,7 @@ KERNEL_LAUNCHES_PER_STEP = Gauge(
     "megaserve_kernel_launches_per_step",
     "Kernel launches in one decode step of this engine (measured once when the engine starts).",
     ["tier", "model", "engine"],
-    multiprocess_mode="max",
+    multiprocess_mode="livemax",  # a replica that exits takes its measurement with it
 )
 RUNNING_REQUESTS = Gauge(
     "megaserve_running_requests",
@@ -63,12 +60,6 @@ BUSY_REPLICAS = Gauge(
     "Replicas with at least one request in flight.",
     ["tier", "model"],
     multiprocess_mode="livesum",
-)
-SPECULATIVE_ACCEPTED_TOKENS = Histogram(
-    "megaserve_speculative_accepted_tokens",
-    "Draft tokens accepted per verify step (speculative decoding only).",
-    ["tier", "model"],
-    buckets=tuple(range(0, 17)),
 )
 
 # --- router (recorded per request) ------------------------------------------------------------

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 
 import pytest
 
+from megaserve.monitoring.exporter import start_node_exporter
 from tests.live import free_port, wait_until
+
+UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
 
 RECORDER = textwrap.dedent("""
     import sys, time
@@ -19,6 +24,7 @@ RECORDER = textwrap.dedent("""
     port, tokens = int(sys.argv[1]), int(sys.argv[2])
     metrics.GENERATION_TOKENS.labels(tier="latency", model="m").inc(tokens)
     metrics.BUSY_REPLICAS.labels(tier="latency", model="m").set(1)
+    metrics.KERNEL_LAUNCHES_PER_STEP.labels(tier="latency", model="m", engine=f"e{tokens}").set(tokens)
     metrics.STEP_DURATION.labels(tier="latency", model="m", phase="decode").observe(0.0004)
     start_node_exporter("127.0.0.1", port, retry_seconds=0.2)
     print("ready", flush=True)
@@ -79,3 +85,14 @@ def test_another_process_takes_over_and_dead_gauges_are_retired(recorders):
     # process' live gauge no longer counts; its counter increments stay (counters are totals).
     samples = wait_until(lambda: (s := _scrape(port)).get(busy) == 1 and s, 20, "the take-over")
     assert samples['megaserve_generation_tokens_total{model="m",tier="latency"}'] == 7
+    launches = 'megaserve_kernel_launches_per_step{{engine="e{}",model="m",tier="latency"}}'
+    assert samples[launches.format(4)] == 4 and launches.format(3) not in samples
+
+
+def test_a_host_it_cannot_bind_is_logged_once_not_retried(caplog):
+    with caplog.at_level(logging.ERROR, logger="megaserve.monitoring.exporter"):
+        start_node_exporter(UNASSIGNED_ADDRESS, free_port(), retry_seconds=0.05)
+        wait_until(lambda: caplog.records, 10, "the error")
+        time.sleep(0.3)  # several retry periods
+    assert len(caplog.records) == 1
+    assert f"cannot serve node metrics on {UNASSIGNED_ADDRESS}" in caplog.records[0].getMessage()
