@@ -1,9 +1,9 @@
 """The OpenAI wire format of /v1/chat/completions, /v1/completions and /v1/models.
 
 Requests are validated strictly (a string where a number belongs is an error, not a guess);
-fields OpenAI defines that megaserve does not implement are refused by name when set to anything
-but their neutral value, rather than silently ignored; fields nobody defines are ignored, as
-OpenAI does. Extensions, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`. Responses also carry
+fields OpenAI defines that megaserve does not implement, and vLLM's sampling extensions it does
+not implement, are refused by name when set to anything but their neutral value, rather than
+silently ignored; fields nobody defines are ignored, as OpenAI does. Extensions, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`. Responses also carry
 `timing` (seconds), which OpenAI's clients keep as an extra attribute.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 ServiceTier = Literal["auto", "default", "flex", "priority"]
@@ -76,6 +76,23 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    # vLLM's extensions (sent through the OpenAI SDK's extra_body), each of which changes the output
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
 }
 
 
@@ -106,6 +123,13 @@ class GenerationRequest(_Request):
                     raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server",
                                               {"name": name})
         return data
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):  # `stream` is validated first
+            raise ValueError("only allowed when stream is true")
+        return options
 
     @field_validator("stop")
     @classmethod

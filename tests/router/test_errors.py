@@ -59,6 +59,10 @@ BAD_REQUESTS = {
     "too many stop strings": (CHAT, chat(stop=[str(i) for i in range(17)]), 400, "stop"),
     "logprobs asked for": (CHAT, chat(logprobs=True), 400, "logprobs"),
     "tools given": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    "vLLM's repetition_penalty": (CHAT, chat(repetition_penalty=1.3), 400, "repetition_penalty"),
+    "vLLM's min_tokens": (COMPLETIONS, completion(min_tokens=5), 400, "min_tokens"),
+    "vLLM's guided_choice": (CHAT, chat(guided_choice=["yes", "no"]), 400, "guided_choice"),
+    "stream_options without stream": (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
 }
 
 
