@@ -11,6 +11,7 @@ reason in `x-megaserve-route-reason`. Every refusal is an OpenAI-style error JSO
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -87,18 +88,21 @@ class _Router:
         arrival = time.perf_counter()
         body = await self._read(request, ChatCompletionRequest)
         messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:  # in a worker thread: a long prompt must not stall every other stream of this router
+            prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages)
         except ChatTemplateError as error:
             raise invalid(str(error), "messages") from None
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return await self._generate(request, body, prompt_ids, arrival, chat=True)
+
+    def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         body = await self._read(request, CompletionRequest)
         if isinstance(body.prompt, str):
-            prompt_ids = self.tokenizer.encode(body.prompt, add_special_tokens=True)
+            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, add_special_tokens=True)
         else:
             prompt_ids = list(body.prompt)
             self._check_token_ids(prompt_ids, "prompt")

@@ -79,8 +79,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens adds what the tokenizer's post-processor adds
-        (Llama 3: <|begin_of_text|>). A rendered chat template already holds its own."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        (Llama 3: <|begin_of_text|>). A rendered chat template already holds its own. Through
+        `encode_batch`, which releases the GIL while it runs (`encode` holds it): a long prompt
+        tokenized in a worker thread leaves the router's event loop free."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -4,6 +4,7 @@ incremental detokenizer on text whose characters span several byte-level tokens.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,10 @@ from transformers import AutoTokenizer
 
 from megaserve.replicas.models.demo import END_OF_TEXT_TOKEN, EOT_TOKEN, ensure_demo_model
 from megaserve.router.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+
+LONG_PROMPT_REPEATS = 40_000  # ~2 MB of text: about a second of tokenizing
+TICK_SECONDS = 0.005
+MIN_TICKS = 10
 
 TEXTS = [
     "Hello, world!",
@@ -142,6 +147,22 @@ def test_incremental_detokenizer_finish_releases_an_incomplete_character(ours):
     streamed = "".join(detokenizer.push(token) for token in ids)
     assert streamed == "ok "
     assert streamed + detokenizer.finish() == ours.decode(ids)
+
+
+def test_a_long_prompt_tokenized_in_a_thread_leaves_the_event_loop_free(ours):
+    text = "the router keeps streaming while it reads this. " * LONG_PROMPT_REPEATS
+
+    async def ticks_during_encode() -> int:
+        ticks = 0
+        encoding = asyncio.create_task(asyncio.to_thread(ours.encode, text))
+        while not encoding.done():
+            await asyncio.sleep(TICK_SECONDS)
+            ticks += 1
+        assert len(await encoding) > LONG_PROMPT_REPEATS
+        return ticks
+
+    # Holding the GIL for the whole encode (as `encode` of tokenizers does) allows ~1 tick.
+    assert asyncio.run(ticks_during_encode()) >= MIN_TICKS
 
 
 def test_tokenizer_module_does_not_import_torch():
