@@ -19,8 +19,9 @@ Launch settings the engine owns (OWNED_ARGS; `engine_args` may not set them): th
 `tp_size`, `context_length` (the tier's max_seq_len, capped by the model), `dtype`,
 `max_running_requests` (the tier's max_batch), `enable_metrics` (SGLang's own `sglang:*` metrics,
 written to PROMETHEUS_MULTIPROC_DIR, the node's megaserve metrics folder, and so served beside
-ours), and `skip_tokenizer_init` (always on: token ids in and out, replicas never see text). Any
-other `ServerArgs` field (e.g. mem_fraction_static) comes through `engine_args`.
+ours), `mem_fraction_static` (the tier's `sglang_mem_fraction_static`) and `skip_tokenizer_init`
+(always on: token ids in and out, replicas never see text). Any other `ServerArgs` field (e.g.
+chunked_prefill_size) comes through `engine_args`.
 `enable_priority_scheduling` is on unless `engine_args` says otherwise, so that
 `GenerateRequest.priority` orders SGLang's queue, larger first (SGLang's default direction). A seed
 maps to SGLang's `sampling_seed`, which SGLang honours when started with
