@@ -167,10 +167,25 @@ def warn_if_sglang_is_missing(config: AppConfig) -> bool:
     return True
 
 
+def warn_if_gpus_wait_for_tensor_parallelism(config: AppConfig) -> bool:
+    """Warn (and return True) when latency replicas reserve a tensor-parallel group that the
+    megakernel engine does not use yet: it drives the first GPU of the group, and the group's other
+    GPUs stay idle until the tensor-parallel megakernel exists (a deployment sized for it, such as
+    deploy/gb300.yaml, keeps its placement meanwhile)."""
+    tier = config.latency
+    if not (tier.enabled and tier.resolved_engine == "megakernel" and tier.tp_size > 1):
+        return False
+    log.warning("latency.tp_size is %d, but the megakernel engine drives one GPU of each replica's group; "
+                "the other %d stay idle (use tp_size 1 and more replicas to use them now)",
+                tier.tp_size, tier.tp_size - 1)
+    return True
+
+
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Build the whole app: router ingress bound to one deployment per enabled tier."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     warn_if_sglang_is_missing(config)
+    warn_if_gpus_wait_for_tensor_parallelism(config)
     env = Environment.read()
     process_env = _process_env(config, env)
     directory = model_dir(config, env)

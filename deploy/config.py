@@ -52,7 +52,9 @@ class TierCommon(_Strict):
     num_replicas: int = Field(1, ge=1, description="Replicas of this tier.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the engine runs.")
     tp_size: int = Field(
-        1, ge=1, description="GPUs per replica, driven as one tensor-parallel group (cuda only)."
+        1, ge=1, description="GPUs per replica, reserved as one tensor-parallel group (cuda only). "
+        "SGLang drives all of them; the megakernel engine drives the first (its tensor-parallel form "
+        "is not built yet, and the builder warns).",
     )
     nodes_per_replica: int = Field(
         1, ge=1, description="Nodes one replica's tensor-parallel group spans, each giving "

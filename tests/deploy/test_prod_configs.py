@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from ray.serve._private.build_app import build_app as serve_build
 from ray.serve.deployment import deployment_to_schema
 from ray.serve.schema import ServeDeploySchema
 
-from megaserve.deploy.builder import build_app
+from megaserve.deploy.builder import build_app, warn_if_gpus_wait_for_tensor_parallelism
 from megaserve.deploy.config import AppConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -74,8 +75,13 @@ def test_every_gpu_replica_takes_its_tensor_parallel_group_in_whole_nodes(name):
             "STRICT_PACK" if tier.nodes_per_replica == 1 else "STRICT_SPREAD")
 
 
-def test_gb300_latency_tier_is_tp8_over_two_trays():
+def test_gb300_latency_tier_is_tp8_over_two_trays(caplog):
     _, gpus_per_tray = HARDWARE["gb300.yaml"]
+    # The megakernel engine drives one GPU of the eight: the build says so.
+    with caplog.at_level(logging.WARNING, logger="megaserve.deploy.builder"):
+        assert warn_if_gpus_wait_for_tensor_parallelism(AppConfig.model_validate(_app_args("gb300.yaml")))
+    assert "the other 7 stay idle" in caplog.text
+    assert not warn_if_gpus_wait_for_tensor_parallelism(AppConfig.model_validate(_app_args("h200.yaml")))
     latency = AppConfig.model_validate(_app_args("gb300.yaml")).latency
     assert (latency.tp_size, latency.nodes_per_replica) == (8, 2)
     assert latency.gpus_per_node == gpus_per_tray  # each replica takes two whole trays
