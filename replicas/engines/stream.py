@@ -187,6 +187,11 @@ class RequestQueue(Generic[Item]):
             heapq.heappush(self._heap, (-priority, next(self._arrivals), item))
             self._condition.notify()
 
+    def count(self, keep: Callable[[Item], bool]) -> int:
+        """How many waiting items satisfy `keep` (e.g. whose client is still there)."""
+        with self._condition:
+            return sum(1 for entry in self._heap if keep(entry[2]))
+
     def pop(self) -> Item | None:
         """The next item, or None if none waits."""
         with self._condition:

@@ -103,7 +103,9 @@ class StepThreadEngine(Engine):
         detail = self._failure or ("" if alive else "the engine is shut down")
         return EngineHealth(
             healthy=alive and self._failure is None, detail=detail,
-            running_requests=self._running_count(), waiting_requests=len(self._queue),
+            running_requests=self._running_count(),
+            # a request whose client left stays queued until a slot pops it: it is not waiting
+            waiting_requests=self._queue.count(lambda item: not item.stream.cancelled),
         )
 
     async def _stop_step_thread(self) -> None:

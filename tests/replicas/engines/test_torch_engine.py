@@ -204,6 +204,20 @@ async def test_cancelling_the_consumer_task_frees_running_and_waiting_requests(m
     assert (health.running_requests, health.waiting_requests) == (0, 0)
 
 
+async def test_a_waiting_request_whose_client_left_is_not_counted_as_waiting(make_engine):
+    engine = make_engine(max_batch=1, coalesce=ONE_BY_ONE)
+    running = engine.generate(_request(_prompt(5, 17), "running", max_tokens=400))
+    await anext(running)
+    waiting = asyncio.create_task(_collect(engine, _request(_prompt(5, 18), "waiting", max_tokens=4)))
+    await asyncio.sleep(0.05)
+    assert (await engine.health()).waiting_requests == 1
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    health = await engine.health()  # the running request still holds the only slot
+    assert (health.running_requests, health.waiting_requests) == (1, 0)
+    await running.aclose()
+
+
 async def test_waiting_requests_are_admitted_by_priority_then_arrival(make_engine):
     engine = make_engine(max_batch=1, coalesce=ONE_BY_ONE)
     blocker = engine.generate(_request(_prompt(5, 15), "blocker", max_tokens=400))
