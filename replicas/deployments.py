@@ -62,11 +62,20 @@ class _Replica:
         return engine.shutdown() if engine is not None else None
 
 
-@serve.deployment(max_ongoing_requests=1, health_check_period_s=10)
+# Serve calls check_health this often, and replaces a replica whose check takes longer than the
+# timeout (Serve's default, set here because an engine's own probe must finish within it: SGLang's
+# HEALTH_TIMEOUT_SECONDS).
+HEALTH_CHECK_PERIOD_SECONDS = 10.0
+HEALTH_CHECK_TIMEOUT_SECONDS = 30.0
+
+
+@serve.deployment(max_ongoing_requests=1, health_check_period_s=HEALTH_CHECK_PERIOD_SECONDS,
+                  health_check_timeout_s=HEALTH_CHECK_TIMEOUT_SECONDS)
 class LatencyReplica(_Replica):
     """Batch-1 replica of the latency tier (megakernel on GPU, TorchEngine on CPU)."""
 
 
-@serve.deployment(max_ongoing_requests=32, health_check_period_s=10)
+@serve.deployment(max_ongoing_requests=32, health_check_period_s=HEALTH_CHECK_PERIOD_SECONDS,
+                  health_check_timeout_s=HEALTH_CHECK_TIMEOUT_SECONDS)
 class ThroughputReplica(_Replica):
     """Continuously batched replica of the throughput tier (SGLang on GPU, TorchEngine on CPU)."""

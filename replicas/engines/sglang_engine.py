@@ -81,7 +81,8 @@ TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k"
 FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 # The health probe: SGLang's own prefix (it drops late outputs of such rids quietly), one greedy
-# token from a one-token prompt, within a timeout below Serve's 30 s health-check timeout.
+# token from a one-token prompt, within a timeout below the replicas' health-check timeout
+# (deployments.HEALTH_CHECK_TIMEOUT_SECONDS).
 HEALTH_RID_PREFIX = "HEALTH_CHECK"
 HEALTH_PROMPT = (0,)
 HEALTH_SAMPLING: dict[str, Any] = {"max_new_tokens": 1, "temperature": 0.0}

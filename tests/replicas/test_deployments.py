@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megaserve.replicas.deployments import ReplicaSpec, _Replica
+from megaserve.replicas.deployments import LatencyReplica, ReplicaSpec, ThroughputReplica, _Replica
+from megaserve.replicas.engines.sglang_engine import HEALTH_TIMEOUT_SECONDS
 from megaserve.replicas.protocol import GenerateRequest, SamplingParams
 from tests.model_factory import make_tiny_model
 
@@ -24,3 +25,10 @@ async def test_closing_the_replica_stream_cancels_the_engine_stream_at_once(tmp_
         assert running.stream.cancelled  # before any later loop turn could finalize the engine's stream
     finally:
         await replica.__del__()  # Serve's teardown hook: shuts the engine down, once
+
+
+def test_an_engine_health_probe_finishes_within_serve_s_health_check_timeout():
+    for deployment in (LatencyReplica, ThroughputReplica):
+        config = deployment._deployment_config
+        assert HEALTH_TIMEOUT_SECONDS < config.health_check_timeout_s
+        assert config.health_check_period_s < config.health_check_timeout_s
