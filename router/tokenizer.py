@@ -48,6 +48,8 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self.special_tokens = special_tokens  # e.g. {"bos_token": "<|begin_of_text|>", ...}
+        # ids that decoding with skip_special_tokens leaves out
+        self.special_ids = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
         self.eos_token_ids = eos_token_ids
         self._template = _compile_chat_template(chat_template) if chat_template else None
 
@@ -131,6 +133,8 @@ class IncrementalDetokenizer:
         self._context_length = 0  # how many leading ids of the window were already emitted
 
     def push(self, token_id: int) -> str:
+        if self._skip_special_tokens and token_id in self._tokenizer.special_ids:
+            return ""  # no text, now or in context: kept out of the window, which would only grow
         self._window.append(token_id)
         context_text = self._decode(self._window[: self._context_length])
         text = self._decode(self._window)

@@ -141,6 +141,31 @@ def test_incremental_detokenizer_equals_full_decode_without_broken_characters(ou
     assert "" in deltas[1:-1], "expected a character split across tokens to be held back"
 
 
+class DecodeCounter:
+    """The tokenizer, recording how many ids each decode call was given."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.special_ids = tokenizer.special_ids
+        self._tokenizer = tokenizer
+        self.lengths: list[int] = []
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.lengths.append(len(token_ids))
+        return self._tokenizer.decode(token_ids, skip_special_tokens)
+
+
+def test_skipped_special_tokens_cost_the_detokenizer_nothing(ours):
+    eot = ours.encode(EOT_TOKEN, add_special_tokens=False)[0]
+    emoji = ours.encode("😀", add_special_tokens=False)
+    assert len(emoji) > 1
+    ids = ours.encode("hi", add_special_tokens=False) + [emoji[0], eot, *emoji[1:]] + [eot] * 1000
+    counter = DecodeCounter(ours)
+    detokenizer = IncrementalDetokenizer(counter)
+    text = "".join(detokenizer.push(token) for token in ids) + detokenizer.finish()
+    assert text == ours.decode(ids) == "hi😀"  # a special token inside a character changes nothing
+    assert max(counter.lengths) <= len(emoji) + 1  # the window never holds the special tokens
+
+
 def test_incremental_detokenizer_finish_releases_an_incomplete_character(ours):
     ids = ours.encode("ok 😀", add_special_tokens=False)[:-1]  # drop the emoji's last byte token
     detokenizer = IncrementalDetokenizer(ours)
