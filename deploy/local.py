@@ -91,8 +91,11 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     _say(f"starting Ray (auth mode: {os.environ['RAY_AUTH_MODE']})")
     ray.init(address="local",  # always a fresh cluster of its own, never a running one
              runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+    # After ray.init, whose own SIGTERM handler (exit 15, Ray shut down at exit) it replaces: from
+    # here on SIGTERM stops the app as Ctrl-C does, while it deploys or once it serves.
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _say("starting Serve")
     try:
         serve.start(http_options=http)
         failures: list[BaseException] = []

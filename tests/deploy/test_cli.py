@@ -39,6 +39,14 @@ def _start_up(tmp_path) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
+def _read_until(proc: subprocess.Popen, marker: str, lines: list[str]) -> None:
+    """Append the output's lines to `lines` up to the first one that holds `marker`."""
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            return
+
+
 def _stop(proc: subprocess.Popen, signum: int) -> str:
     """Send `signum`, wait for the exit, kill what the cluster left behind; returns the rest of the output."""
     proc.send_signal(signum)
@@ -55,12 +63,9 @@ def _stop(proc: subprocess.Popen, signum: int) -> str:
 def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
     started = time.monotonic()
     proc, port = _start_up(tmp_path)
-    lines = []
+    lines: list[str] = []
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "ready in" in line:
-                break
+        _read_until(proc, "ready in", lines)
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
         assert any("demo model at" in line for line in lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
@@ -78,12 +83,9 @@ def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
 
 def test_up_stops_on_sigterm_while_it_is_still_deploying(tmp_path):
     proc, _ = _start_up(tmp_path)
-    lines = []
+    lines: list[str] = []
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "DEPLOYING" in line:
-                break
+        _read_until(proc, "starting Serve", lines)
     finally:
         rest = _stop(proc, signal.SIGTERM)
     output = "".join(lines) + rest
