@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from megaserve.replicas.engines.sglang_engine import OWNED_ARGS as SGLANG_OWNED_ARGS
+from megaserve.replicas.protocol import CoalescePolicy
 from megaserve.router.settings import (
     DEFAULT_LATENCY_MAX_PROMPT_TOKENS,
     DEFAULT_LATENCY_WAIT_SECONDS,
@@ -20,6 +21,7 @@ from megaserve.router.settings import (
 )
 
 DEMO_MODEL_NAME = "megaserve-demo"
+DEFAULT_COALESCE = CoalescePolicy()  # the engines' own yield rule, unless a tier sets its own
 SGLANG_ONLY_FIELDS = {"sglang_metrics", "sglang_mem_fraction_static", "sglang_args"}  # throughput fields for engine sglang alone
 
 
@@ -72,11 +74,11 @@ class TierCommon(_Strict):
         2048, ge=16, description="KV-cache length per sequence (prompt + generated tokens)."
     )
     coalesce_seconds: float = Field(
-        0.005, ge=0, le=1.0,
+        DEFAULT_COALESCE.seconds, ge=0, le=1.0,
         description="Stream tokens back at most this often after the first (see the yield rule).",
     )
     coalesce_tokens: int = Field(
-        16, ge=1, description="Or as soon as this many tokens are pending."
+        DEFAULT_COALESCE.tokens, ge=1, description="Or as soon as this many tokens are pending."
     )
 
     @model_validator(mode="after")
