@@ -41,7 +41,7 @@ from megaserve.router.openai_schema import (
 )
 from megaserve.router.policy import TIER_HEADER, Admission, Lease, choose_tier
 from megaserve.router.responses import ResponseBuilder, served_tier
-from megaserve.router.settings import RouterSettings
+from megaserve.router.settings import RouterSettings, capped_by_model
 from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
 from megaserve.router.tokenizer import ChatTemplateError, Tokenizer
 
@@ -60,6 +60,7 @@ def create_app(
 ) -> FastAPI:
     """The router app over `backends` (one per enabled tier); the tokenizer is read from
     `settings.model_dir` unless given."""
+    settings = capped_by_model(settings)
     router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir))
     app = FastAPI(title="megaserve", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.router = router

@@ -7,7 +7,12 @@ give each its share of the tier (the deploy config divides).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_CONFIG_FILE = "config.json"
 
 # Defaults of the deploy config too (deploy/config.py reads them from here).
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt of plain text fits well below
@@ -52,3 +57,15 @@ class RouterSettings:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
+
+
+def capped_by_model(settings: RouterSettings) -> RouterSettings:
+    """`settings` with max_context at most the model's max_position_embeddings, read from its
+    config.json where the router reads the tokenizer (the replicas cap their context by it too;
+    the app may be built on a node without the model); unchanged when the file says nothing."""
+    try:
+        config = json.loads((Path(settings.model_dir) / MODEL_CONFIG_FILE).read_text())
+        limit = int(config["max_position_embeddings"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return settings
+    return dataclasses.replace(settings, max_context=min(settings.max_context, limit))

@@ -4,17 +4,20 @@ and not, the tier echoed, usage, stop strings, n, auth, /v1/models and /health."
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import pytest
 
 from megaserve.replicas.protocol import Tier
+from megaserve.router.app import create_app
 from megaserve.router.backend import EngineBackend
 
-from .conftest import LATENCY_MAX_PROMPT_TOKENS, MODEL, running_requests, wait_until
+from .conftest import LATENCY_MAX_PROMPT_TOKENS, MODEL, router_settings, running_requests, serving, wait_until
 
 HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
 GREEDY = {"temperature": 0, "ignore_eos": True}
+SHORT_CONTEXT = 64  # a model's max_position_embeddings below the settings' max_context
 
 
 def sse_payloads(response: httpx.Response) -> list:
@@ -151,6 +154,19 @@ def test_models_and_health(router_url):
     health = httpx.get(f"{router_url}/health").json()
     assert health["status"] == "ok"
     assert health["tiers"]["latency"] == {"healthy": True, "in_flight": 0, "capacity": 1}
+
+
+def test_the_context_is_capped_by_the_model_s_own(engines, tokenizer, demo_model_dir, tmp_path):
+    short = tmp_path / "short-context"
+    shutil.copytree(demo_model_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = SHORT_CONTEXT  # the settings say 2048
+    (short / "config.json").write_text(json.dumps(config))
+    backends = {tier: EngineBackend(engine) for tier, engine in engines.items()}
+    with serving(create_app(router_settings(str(short)), backends, tokenizer)) as url:
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == SHORT_CONTEXT
+        response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hello " * SHORT_CONTEXT})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_api_keys_guard_everything_but_health(serve_router, engines):
