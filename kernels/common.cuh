@@ -24,6 +24,13 @@ __device__ __forceinline__ uint4 load_weights16(const bf16* p) {
   return v;
 }
 
+// Has the TMA fetch `bytes` (a multiple of 16) at `p` (16-byte aligned) from HBM into L2: nothing
+// lands in the SM, and the issuing thread goes on at once. For weights that a later stage reads
+// after a grid barrier, fetched while HBM would otherwise idle, so that its loads hit L2.
+__device__ __forceinline__ void prefetch_to_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // Activations are written by other CTAs earlier in the same launch: read them from L2 (never a
 // possibly stale L1 line, never the non-coherent path).
 __device__ __forceinline__ uint4 load_activations16(const bf16* p) {

@@ -186,6 +186,25 @@ __device__ __forceinline__ WeightChunk prefetch_weights(int num_pairs, CtaRange 
   return chunk;
 }
 
+// The rest of this warp's share of a GEMV, what prefetch_weights leaves in HBM (every pair, less
+// the first chunk of the first pair where the warp prefetched it), fetched into L2 by the TMA:
+// lane 0 issues one bulk prefetch per row of a pair.
+template <int K, int kAheadWarps = kPrefetchWarps, class Rows>
+__device__ __forceinline__ void prefetch_rest_to_l2(int num_pairs, CtaRange ctas, Rows rows) {
+  constexpr int kChunkVecs = kWarpSize * kLoadsInFlight;
+  const WarpShare share = warp_share<K>(num_pairs, ctas);
+  if (threadIdx.x % kWarpSize != 0) return;
+  const bool prefetched_first = static_cast<int>(threadIdx.x) / kWarpSize < kAheadWarps;
+  for (int p = share.first_pair; p < num_pairs; p += share.pair_stride) {
+    const int begin = share.begin + (p == share.first_pair && prefetched_first ? kChunkVecs : 0);
+    if (begin >= share.end) continue;
+    const RowPair pair = rows(p);
+    const unsigned bytes = static_cast<unsigned>(share.end - begin) * kVecElems * sizeof(bf16);
+    prefetch_to_l2(pair.w0 + begin * kVecElems, bytes);
+    prefetch_to_l2(pair.w1 + begin * kVecElems, bytes);
+  }
+}
+
 // (w0 . x, w1 . x) over the 16-byte vectors [begin, end) of two weight rows and x (shared, bf16);
 // every lane gets both. With use_ahead, `ahead` holds the first chunk, already loaded.
 __device__ __forceinline__ float2 dot_rows2(const RowPair& pair, const bf16* x, int lane, int begin, int end,
