@@ -77,10 +77,11 @@ def arch_for(compute_capability: tuple[int, int]) -> str:
     return f"sm_{major}{minor}a"
 
 
-def source_files() -> dict[str, str]:
+def source_files(source_dir: Path = SOURCE_DIR) -> dict[str, str]:
+    """The kernel sources in `source_dir` (this package's own by default), by file name."""
     return {
         path.name: path.read_text()
-        for path in sorted(SOURCE_DIR.iterdir())
+        for path in sorted(source_dir.iterdir())
         if path.suffix in SOURCE_SUFFIXES
     }
 
@@ -97,10 +98,13 @@ class ResourceUsage:
     shared_bytes: int
 
 
-def resource_usage(shape: KernelShape, arch: str, timing: bool = False) -> ResourceUsage:
+def resource_usage(
+    shape: KernelShape, arch: str, timing: bool = False, source_dir: Path = SOURCE_DIR
+) -> ResourceUsage:
     """ptxas's resource report for decode_step of `shape` on `arch` (a compile of its own, with
     `-v`, not cached): spills or a register count at the launch bound show up here first."""
-    program = Program(source_files()[MAIN_SOURCE], code_type="c++", options=_options(arch, ptxas_verbose=True))
+    program = Program(source_files(source_dir)[MAIN_SOURCE], code_type="c++",
+                      options=_options(arch, source_dir, ptxas_verbose=True))
     log = io.StringIO()
     try:
         program.compile("cubin", name_expressions=(shape.kernel_name(timing),), logs=log)
@@ -114,13 +118,13 @@ def resource_usage(shape: KernelShape, arch: str, timing: bool = False) -> Resou
     return ResourceUsage(int(registers.group(1)), stack, stores, loads, int(shared.group(1)))
 
 
-def _options(arch: str, ptxas_verbose: bool = False) -> ProgramOptions:
+def _options(arch: str, source_dir: Path, ptxas_verbose: bool = False) -> ProgramOptions:
     libraries = ("cudart", "cccl")
     include_dirs = [cuda.pathfinder.find_nvidia_header_directory(lib) for lib in libraries]
     missing = [lib for lib, path in zip(libraries, include_dirs, strict=True) if path is None]
     if missing:
         raise KernelBuildError(f"CUDA headers not found for {missing}: install cuda-toolkit[cudart,cccl]")
-    return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(SOURCE_DIR), *include_dirs],
+    return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(source_dir), *include_dirs],
                           ptxas_options=["-v"] if ptxas_verbose else None)
 
 
@@ -134,10 +138,19 @@ def cache_key(sources: dict[str, str], arch: str, name_expression: str) -> str:
 
 
 class KernelCache:
-    """Compiled kernels (the decode step per shape, the barrier probe) in `directory` (created on first use)."""
+    """Compiled kernels (the decode step per shape, the barrier probe) in `directory` (created on first
+    use), built from the sources in `source_dir`: this package's own, or another copy of them (an
+    edited variant that `megaserve bench --kernel-sources` times beside it). Entries are keyed by
+    the sources' hash, so variants can share a directory."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, source_dir: str | Path = SOURCE_DIR) -> None:
         self.directory = Path(directory)
+        self.source_dir = Path(source_dir).resolve()
+        missing = [name for name in (MAIN_SOURCE, BARRIER_PROBE_SOURCE) if not (self.source_dir / name).is_file()]
+        if missing:
+            raise KernelBuildError(
+                f"{self.source_dir} is not a folder of kernel sources: it has no {', '.join(missing)}"
+            )
 
     def decode_step(self, shape: KernelShape, arch: str, timing: bool = False) -> CompiledKernel:
         """The cubin of decode_step for `shape` on `arch`, from the cache or freshly compiled."""
@@ -152,12 +165,12 @@ class KernelCache:
             raise KernelBuildError(
                 f"NVRTC {nvrtc_version()} cannot compile for {arch}; it supports {supported_archs()}"
             )
-        sources = source_files()
+        sources = source_files(self.source_dir)
         key = cache_key(sources, arch, name_expression)
         cached = self._read(key, name_expression, arch)
         if cached is not None:
             return cached
-        compiled = compile_source(sources[source_name], arch, name_expression)
+        compiled = compile_source(sources[source_name], arch, name_expression, self.source_dir)
         self._write(key, compiled)
         return compiled
 
@@ -195,9 +208,10 @@ class KernelCache:
         _write_atomic(record_path, json.dumps(record).encode())
 
 
-def compile_source(source: str, arch: str, name_expression: str) -> CompiledKernel:
-    """Run NVRTC on `source` for `arch` and instantiate `name_expression`."""
-    program = Program(source, code_type="c++", options=_options(arch))
+def compile_source(source: str, arch: str, name_expression: str, source_dir: Path = SOURCE_DIR) -> CompiledKernel:
+    """Run NVRTC on `source` for `arch` and instantiate `name_expression`; its includes come from
+    `source_dir`."""
+    program = Program(source, code_type="c++", options=_options(arch, source_dir))
     try:
         object_code = program.compile("cubin", name_expressions=(name_expression,))
     except Exception as error:  # cuda.core raises its NVRTCError with the compiler log

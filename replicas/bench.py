@@ -17,6 +17,10 @@ reached and its time over the floor (bytes / measured bandwidth), and its closin
 into the tail of the CTAs' arrivals (median to last) and the release after the last one; the cost
 of one grid barrier alone (kernels/barrier_probe.py) is measured in the same run.
 
+`--kernel-sources NAME=DIR ...` times edited copies of the kernel sources beside the package's own
+(methods `megakernel:NAME` beside `megakernel`), on the same weights and cache: their CUDA graphs are
+replayed in turn, `--rounds` times, so that the comparison is one of ratios within one run.
+
 Runs on a bare GPU image: imports only torch, cuda-python and this package's kernels/ and models/.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -36,7 +41,7 @@ from pathlib import Path
 import torch
 
 from megaserve.kernels.barrier_probe import time_grid_barrier
-from megaserve.kernels.build import KernelCache
+from megaserve.kernels.build import KernelBuildError, KernelCache
 from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep, StageTimes, store_down_transposed
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.replicas.models import Model, ModelConfig
@@ -69,7 +74,8 @@ BENCH_CONFIGS = {
     },
 }
 CONTEXTS = (1024, 8192)
-METHODS = ("megakernel", "eager", "cuda-graph", "compile+graph")
+MEGAKERNEL = "megakernel"  # the method of the package's own kernel sources; a variant's is MEGAKERNEL:NAME
+METHODS = (MEGAKERNEL, "eager", "cuda-graph", "compile+graph")
 WEIGHT_STD = 0.02  # like an initializer: keeps activations finite through 36 layers
 NORM_JITTER = 0.1
 CACHE_STD = 1.0
@@ -78,6 +84,7 @@ WARMUP_STEPS = 5
 TIMED_STEPS = 50
 EAGER_TIMED_STEPS = 10
 REPEATS = 3  # median of this many timed blocks
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 BF16_BYTES = 2
 
 
@@ -97,6 +104,7 @@ class Result:
     stage_tail_ms: dict[str, float] = field(default_factory=dict)
     stage_release_ms: dict[str, float] = field(default_factory=dict)
     timing_cost_ms: float | None = None
+    round_ms: list[float] = field(default_factory=list)  # a megakernel's ms/step of each --rounds round
     error: str | None = None  # set (and the figures NaN) when this method failed to run
 
 
@@ -165,14 +173,15 @@ def capture(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...], kernel_cache: KernelCache,
-                bandwidth: float, log: Callable[[str], None]) -> list[Result]:
+def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...],
+                kernel_caches: dict[str, KernelCache], rounds: int, bandwidth: float,
+                log: Callable[[str], None]) -> list[Result]:
     model = random_model(ModelConfig.from_hf_dict(BENCH_CONFIGS[name]), torch.device("cuda"))
     results = []
     for context in contexts:
         # The whole step's reads with the new token's key and value: tp=1 is the whole model.
         floor_bytes = step_read_bytes(plan_sharding(model.config, 1), context + 1, BF16_BYTES).total
-        for method, measured in bench_context(model, context, methods, kernel_cache):
+        for method, measured in bench_context(model, context, methods, kernel_caches, rounds):
             if isinstance(measured, Exception):  # a baseline that this torch cannot run
                 results.append(Result(name, context, method, error=f"{type(measured).__name__}: {measured}"))
                 log(f"{name} ctx={context} {method}: failed: {results[-1].error.splitlines()[0]}")
@@ -189,10 +198,11 @@ def bench_model(name: str, contexts: tuple[int, ...], methods: tuple[str, ...], 
 
 @torch.no_grad()
 def bench_context(
-    model: Model, context: int, methods: tuple[str, ...], kernel_cache: KernelCache
+    model: Model, context: int, methods: tuple[str, ...], kernel_caches: dict[str, KernelCache], rounds: int
 ) -> Iterator[tuple[str, tuple[float, int, dict] | Exception]]:
     """(method, (seconds per step, launches per step, extra Result fields)) at `context` keys, one
-    method at a time; a PyTorch baseline that fails yields its exception instead."""
+    method at a time (the megakernel once per entry of `kernel_caches`, method name -> the cache
+    of its sources); a PyTorch baseline that fails yields its exception instead."""
     device = model.device
     cache = model.new_cache(1, context + 2 * (WARMUP_STEPS + REPEATS * TIMED_STEPS) + 1)
     for tensor in (*cache.k, *cache.v):
@@ -217,13 +227,15 @@ def bench_context(
         graph = capture(step)
         return time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay), {}
 
-    if "megakernel" in methods:
+    if MEGAKERNEL in methods:
         with down_stored_transposed(model):
-            seconds, launches, stages, timing_cost_ms = bench_megakernel(model, cache, context, kernel_cache)
-        extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
-                 "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
-                 "timing_cost_ms": timing_cost_ms}
-        yield "megakernel", (seconds, launches, extra)
+            for method, (round_seconds, launches, stages, timing_cost_ms) in bench_megakernels(
+                model, cache, context, kernel_caches, rounds
+            ):
+                extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
+                         "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
+                         "timing_cost_ms": timing_cost_ms, "round_ms": [seconds * 1e3 for seconds in round_seconds]}
+                yield method, (statistics.median(round_seconds), launches, extra)
     baselines = {
         "eager": lambda: (time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager), {}),
         "cuda-graph": lambda: graphed(lambda: bound(ids, positions)),
@@ -254,35 +266,47 @@ def down_stored_transposed(model: Model) -> Iterator[None]:
             layer.w_down = w_down
 
 
-def bench_megakernel(
-    model: Model, cache, context: int, kernel_cache: KernelCache
-) -> tuple[float, int, StageTimes, float]:
-    """(seconds per step, launches per step, per-stage times, ms/step that the timestamps cost)."""
-    step = DecodeStep(model, cache, 0, kernel_cache)
-    step.set_position(0, context)
-    graph = capture(lambda: step.launch(greedy=True))
-    step.set_position(0, context)
-    seconds = time_steps(graph.replay, TIMED_STEPS)
-    launches = count_kernel_launches(graph.replay)
-
-    timed = DecodeStep(model, cache, 0, kernel_cache, timing=True)
-    timed.set_position(0, context)
-    timed_graph = capture(lambda: timed.launch(greedy=True))
-    timed.set_position(0, context)
-    timed_seconds = time_steps(timed_graph.replay, TIMED_STEPS)
-    return seconds, launches, timed.stage_times(), (timed_seconds - seconds) * 1e3  # stages of the last replay
+def bench_megakernels(
+    model: Model, cache, context: int, kernel_caches: dict[str, KernelCache], rounds: int
+) -> Iterator[tuple[str, tuple[list[float], int, StageTimes, float]]]:
+    """Per build of the megakernel (method name -> the cache of its sources): (seconds per step of
+    each round, launches per step, per-stage times, ms/step that the timestamps cost). The builds'
+    graphs are timed in turn, `rounds` times, so that a drift of the GPU's clocks meets every build
+    alike."""
+    steps = {method: DecodeStep(model, cache, 0, kernel_cache) for method, kernel_cache in kernel_caches.items()}
+    graphs = {}
+    for method, step in steps.items():
+        step.set_position(0, context)
+        graphs[method] = capture(step.launch)
+    samples: dict[str, list[float]] = {method: [] for method in steps}
+    for _ in range(rounds):
+        for method, graph in graphs.items():
+            steps[method].set_position(0, context)
+            samples[method].append(time_steps(graph.replay, TIMED_STEPS))
+    for method, kernel_cache in kernel_caches.items():
+        seconds = statistics.median(samples[method])  # what the timing build's cost is measured against
+        launches = count_kernel_launches(graphs[method].replay)
+        timed = DecodeStep(model, cache, 0, kernel_cache, timing=True)
+        timed.set_position(0, context)
+        timed_graph = capture(timed.launch)
+        timed.set_position(0, context)
+        timed_seconds = time_steps(timed_graph.replay, TIMED_STEPS)
+        # the stages of the timing build's last replay
+        yield method, (samples[method], launches, timed.stage_times(), (timed_seconds - seconds) * 1e3)
 
 
 def format_table(results: list[Result], bandwidth: float, barrier_seconds: float) -> str:
+    width = 1 + max(len(method) for method in (*METHODS, *(r.method for r in results)))  # the method column
     lines = [f"HBM read bandwidth (reduction): {bandwidth / 1e9:,.0f} GB/s; one grid barrier: "
              f"{barrier_seconds * 1e6:.2f} µs",
-             f"{'model':<14} {'ctx':>5} {'method':<14} {'ms/step':>8} {'tok/s':>8} {'launches':>8} {'roofline':>8}"]
+             f"{'model':<14} {'ctx':>5} {'method':<{width}} {'ms/step':>8} {'tok/s':>8} {'launches':>8} "
+             f"{'roofline':>8}"]
     for r in results:
         if r.error:
-            lines.append(f"{r.model:<14} {r.context:>5} {r.method:<14} failed: {r.error.splitlines()[0][:60]}")
+            lines.append(f"{r.model:<14} {r.context:>5} {r.method:<{width}} failed: {r.error.splitlines()[0][:60]}")
             continue
-        lines.append(f"{r.model:<14} {r.context:>5} {r.method:<14} {r.ms_per_step:>8.3f} {r.tokens_per_second:>8.0f} "
-                     f"{r.launches_per_step:>8} {100 * r.roofline_fraction:>7.1f}%")
+        lines.append(f"{r.model:<14} {r.context:>5} {r.method:<{width}} {r.ms_per_step:>8.3f} "
+                     f"{r.tokens_per_second:>8.0f} {r.launches_per_step:>8} {100 * r.roofline_fraction:>7.1f}%")
     for r in results:
         if r.stage_ms:
             lines += _stage_table(r, bandwidth)
@@ -294,7 +318,8 @@ def _stage_table(r: Result, bandwidth: float) -> list[str]:
     bytes it must read, its time, the bandwidth that makes, and its time over the floor (bytes /
     measured bandwidth); then the closing barrier's arrival tail (median CTA to last) and release
     (last arrival to the next stage's start)."""
-    lines = [f"stages {r.model} ctx={r.context} (timing build, which costs {r.timing_cost_ms:+.3f} ms/step):",
+    build = "" if r.method == MEGAKERNEL else f" {r.method}"
+    lines = [f"stages {r.model} ctx={r.context}{build} (timing build, which costs {r.timing_cost_ms:+.3f} ms/step):",
              "| stage | MB read | ms | GB/s | % of bandwidth | ms over floor | arrival tail ms | release ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, ms in r.stage_ms.items():
@@ -315,9 +340,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--kernel-cache", type=Path, required=True, help="folder for compiled kernels")
     parser.add_argument("--out", type=Path, default=Path("bench.json"), help="where to write the JSON results")
+    parser.add_argument("--kernel-sources", nargs="+", default=[], metavar="NAME=DIR",
+                        help="edited copies of the kernel sources, each timed beside the package's own as "
+                             f"method {MEGAKERNEL}:NAME")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each megakernel build is timed, the builds in turn (median of the rounds)")
     args = parser.parse_args(argv)
     if any(context < 1 for context in args.contexts):
         parser.error("contexts must be positive")
+    if args.rounds < 1:
+        parser.error("rounds must be at least 1")
+    args.kernel_caches = {MEGAKERNEL: KernelCache(args.kernel_cache)}
+    for entry in args.kernel_sources:
+        name, sep, folder = entry.partition("=")
+        if not sep or not SOURCE_NAME.fullmatch(name) or not folder:
+            parser.error(f"--kernel-sources takes NAME=DIR with a NAME of letters, digits, '_', '.' and '-'; "
+                         f"got {entry!r}")
+        method = f"{MEGAKERNEL}:{name}"
+        if method in args.kernel_caches:
+            parser.error(f"--kernel-sources names {name!r} twice")
+        try:
+            args.kernel_caches[method] = KernelCache(args.kernel_cache, folder)
+        except KernelBuildError as error:
+            parser.error(str(error))
     return args
 
 
@@ -329,20 +374,21 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     device = torch.device("cuda")
     bandwidth = read_bandwidth(device)
-    kernel_cache = KernelCache(args.kernel_cache)
-    barrier_seconds = time_grid_barrier(kernel_cache, device)
+    barrier_seconds = time_grid_barrier(args.kernel_caches[MEGAKERNEL], device)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"read bandwidth {bandwidth / 1e9:,.0f} GB/s, grid barrier {barrier_seconds * 1e6:.2f} µs "
         f"on {torch.cuda.get_device_name(device)}")
     results = []
     for name in args.models:
-        results += bench_model(name, tuple(args.contexts), tuple(args.methods), kernel_cache, bandwidth, log)
+        results += bench_model(name, tuple(args.contexts), tuple(args.methods), args.kernel_caches, args.rounds,
+                               bandwidth, log)
         torch.cuda.empty_cache()
     report = {
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "read_bandwidth_bytes_per_second": bandwidth,
         "grid_barrier_seconds": barrier_seconds,
+        "kernel_sources": {method: str(cache.source_dir) for method, cache in args.kernel_caches.items()},
         "seconds": time.time() - started,
         "results": [asdict(r) for r in results],
     }

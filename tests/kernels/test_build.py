@@ -4,10 +4,21 @@ hit, miss on changed source / arch / shape / flags, and a corrupt entry rebuilt.
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
-from megaserve.kernels.build import KernelCache, cache_key, resource_usage, source_files, supported_archs
+from megaserve.kernels.build import (
+    MAIN_SOURCE,
+    SOURCE_DIR,
+    KernelBuildError,
+    KernelCache,
+    cache_key,
+    resource_usage,
+    source_files,
+    supported_archs,
+)
 from megaserve.kernels.shape import THREADS
 from megaserve.kernels.shape import KernelShape
 from megaserve.replicas.bench import BENCH_CONFIGS
@@ -118,7 +129,44 @@ def test_corrupt_entry_is_rebuilt(tmp_path, damage):
 
 
 def test_unsupported_arch_is_refused(tmp_path):
-    from megaserve.kernels.build import KernelBuildError
-
     with pytest.raises(KernelBuildError, match="cannot compile for sm_10"):
         KernelCache(tmp_path).decode_step(TINY, "sm_10")
+
+
+def _source_copy(tmp_path: Path, edit: str = "") -> Path:
+    """A copy of the package's kernel sources with `edit` appended to decode_step.cu."""
+    folder = tmp_path / "variant"
+    shutil.copytree(SOURCE_DIR, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    (folder / MAIN_SOURCE).write_text((folder / MAIN_SOURCE).read_text() + edit)
+    return folder
+
+
+def test_a_cache_builds_from_the_source_folder_it_is_given(tmp_path):
+    """An edited copy of the sources (`megaserve bench --kernel-sources`) compiles from its own files,
+    includes too, and shares the cache folder with the package's sources under its own key."""
+    variant = _source_copy(tmp_path, "\n// a variant\n")
+    merge = "constexpr int kMergeAccBytes = 32 * 1024;"
+    assert merge in (variant / "attention.cuh").read_text()
+    (variant / "attention.cuh").write_text((variant / "attention.cuh").read_text().replace(
+        merge, "constexpr int kMergeAccBytes = 16 * 1024;"))
+    own, edited = KernelCache(tmp_path / "cache"), KernelCache(tmp_path / "cache", variant)
+    assert edited.source_dir == variant.resolve() and own.source_dir == SOURCE_DIR
+    built = edited.decode_step(TINY, HOPPER)
+    assert not built.from_cache and not own.decode_step(TINY, HOPPER).from_cache  # two keys, two entries
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
+    assert edited.decode_step(TINY, HOPPER).from_cache
+    # attention's merge in less shared memory: ptxas sees the edited include, not the package's
+    shrunk = resource_usage(TINY, HOPPER).shared_bytes - resource_usage(TINY, HOPPER, source_dir=variant).shared_bytes
+    assert shrunk > 0
+
+
+def test_a_broken_variant_fails_with_the_compiler_log(tmp_path):
+    variant = _source_copy(tmp_path, '\nstatic_assert(false, "variant under test");\n')
+    with pytest.raises(KernelBuildError, match="variant under test"):
+        KernelCache(tmp_path / "cache", variant).decode_step(TINY, HOPPER)
+
+
+def test_a_folder_without_the_kernel_sources_is_refused(tmp_path):
+    (tmp_path / "barrier_probe.cu").write_text("// only the probe\n")
+    with pytest.raises(KernelBuildError, match="has no decode_step.cu"):
+        KernelCache(tmp_path / "cache", tmp_path)

@@ -3,11 +3,17 @@ docs/perf.md holds those runs)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
+from megaserve.kernels.build import SOURCE_DIR, KernelCache
+from megaserve.kernels.launcher import StageTimes
+from megaserve.replicas import bench
 from megaserve.replicas.bench import (
     BENCH_CONFIGS,
+    MEGAKERNEL,
     Result,
     down_stored_transposed,
     format_table,
@@ -19,6 +25,10 @@ from megaserve.replicas.models import ModelConfig
 from megaserve.replicas.models.sharding import plan_sharding, step_read_bytes
 
 BF16 = 2
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 256,
+    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+}
 
 
 @pytest.mark.parametrize("name", sorted(BENCH_CONFIGS))
@@ -64,14 +74,99 @@ def test_contexts_must_be_positive(capsys):
 
 
 def test_the_megakernel_gets_its_layout_of_w_down_and_the_baselines_the_checkpoint_s():
-    config = ModelConfig.from_hf_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "num_hidden_layers": 2, "hidden_size": 256,
-        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
-    })
-    model = random_model(config, torch.device("cpu"))
+    model = random_model(ModelConfig.from_hf_dict(TINY_CONFIG), torch.device("cpu"))
     checkpoint = [layer.w_down for layer in model.layers]
     with down_stored_transposed(model):
         for layer, w_down in zip(model.layers, checkpoint, strict=True):
             assert layer.w_down.t().is_contiguous() and torch.equal(layer.w_down, w_down)
     assert all(layer.w_down is w_down for layer, w_down in zip(model.layers, checkpoint, strict=True))
     assert all(layer.w_down.is_contiguous() for layer in model.layers)
+
+
+def test_kernel_sources_are_timed_beside_the_package_s_own(tmp_path):
+    variant = tmp_path / "qkv-l2"
+    shutil.copytree(SOURCE_DIR, variant, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    args = parse_args(["--kernel-cache", str(tmp_path / "cache"), "--kernel-sources", f"qkv.l2={variant}",
+                       "--rounds", "3"])
+    assert list(args.kernel_caches) == [MEGAKERNEL, f"{MEGAKERNEL}:qkv.l2"]
+    assert args.kernel_caches[MEGAKERNEL].source_dir == SOURCE_DIR
+    assert args.kernel_caches[f"{MEGAKERNEL}:qkv.l2"].source_dir == variant.resolve()
+    assert {cache.directory for cache in args.kernel_caches.values()} == {tmp_path / "cache"}
+    assert args.rounds == 3
+    assert list(parse_args(["--kernel-cache", "k"]).kernel_caches) == [MEGAKERNEL]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--kernel-sources", "no-folder"], "takes NAME=DIR"),
+    (["--kernel-sources", "=dir"], "takes NAME=DIR"),
+    (["--kernel-sources", "a b=dir"], "takes NAME=DIR"),
+    (["--kernel-sources", "v=DIR", "v=DIR"], "names 'v' twice"),
+    (["--kernel-sources", "v=EMPTY"], "has no decode_step.cu, barrier_probe.cu"),
+    (["--rounds", "0"], "rounds must be at least 1"),
+])
+def test_bad_kernel_sources_and_rounds_are_refused(tmp_path, capsys, argv, message):
+    (tmp_path / "empty").mkdir()
+    shutil.copytree(SOURCE_DIR, tmp_path / "sources", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    argv = [arg.replace("DIR", str(tmp_path / "sources")).replace("EMPTY", str(tmp_path / "empty")) for arg in argv]
+    with pytest.raises(SystemExit):
+        parse_args(["--kernel-cache", str(tmp_path / "cache"), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_the_table_widens_for_a_variant_s_method_and_names_it_over_its_stages():
+    stages = {"stage_ms": {"qkv": 1.0}, "stage_bytes": {"qkv": 4_000_000_000}, "timing_cost_ms": 0.002}
+    results = [Result("Llama-3.2-1B", 1024, MEGAKERNEL, 1.0, 1000.0, 1, 0.9, **stages),
+               Result("Llama-3.2-1B", 1024, f"{MEGAKERNEL}:qkv-l2", 0.5, 2000.0, 1, 0.95, **stages)]
+    table = format_table(results, 4e12, barrier_seconds=1e-6).splitlines()
+    assert table[1].startswith("model            ctx method              ms/step")
+    assert "Llama-3.2-1B    1024 megakernel            1.000     1000        1    90.0%" in table
+    assert "Llama-3.2-1B    1024 megakernel:qkv-l2     0.500     2000        1    95.0%" in table
+    assert "stages Llama-3.2-1B ctx=1024 (timing build, which costs +0.002 ms/step):" in table
+    assert "stages Llama-3.2-1B ctx=1024 megakernel:qkv-l2 (timing build, which costs +0.002 ms/step):" in table
+
+
+def test_the_builds_are_timed_in_turn_every_round(tmp_path, monkeypatch):
+    """The GPU parts stand in (tests/gpu/test_bench_gpu.py runs them): each build's graph is timed
+    once per round, the builds alternating, from the benchmark's position, and reported as the
+    median of its rounds."""
+    timings: list[str] = []
+
+    class Step:  # a DecodeStep that records where each timing starts
+        def __init__(self, model, cache, slot, kernel_cache, timing=False):
+            self.name = kernel_cache.source_dir.name + ("+timing" if timing else "")
+            self.pos = None
+
+        def set_position(self, token, pos):
+            self.pos = pos
+
+        def launch(self):
+            pass
+
+        def stage_times(self):
+            return StageTimes({"qkv": 1e-3}, {"qkv": 1e-4}, {"qkv": 1e-5})
+
+    class Graph:  # "replays" the step whose launch it captured
+        def __init__(self, launch):
+            self.replay = launch.__self__
+
+    def time_steps(step, count):
+        timings.append(f"{step.name}@{step.pos}")
+        return {"kernels": 1e-3, "copy": 2e-3}.get(step.name, 3e-3) * (1 + 0.1 * len(timings))
+
+    monkeypatch.setattr(bench, "DecodeStep", Step)
+    monkeypatch.setattr(bench, "capture", Graph)
+    monkeypatch.setattr(bench, "time_steps", time_steps)
+    monkeypatch.setattr(bench, "count_kernel_launches", lambda replay: 1)
+    shutil.copytree(SOURCE_DIR, tmp_path / "copy", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    caches = {MEGAKERNEL: KernelCache(tmp_path / "cache"), "megakernel:copy": KernelCache(tmp_path, tmp_path / "copy")}
+    model = random_model(ModelConfig.from_hf_dict(TINY_CONFIG), torch.device("cpu"))
+
+    measured = dict(bench.bench_context(model, 100, (MEGAKERNEL,), caches, rounds=3))
+
+    assert timings[:6] == ["kernels@100", "copy@100"] * 3  # then each timing build once
+    assert timings[6:] == ["kernels+timing@100", "copy+timing@100"]
+    seconds, launches, extra = measured[MEGAKERNEL]
+    assert extra["round_ms"] == pytest.approx([1.1, 1.3, 1.5]) and seconds == pytest.approx(1.3e-3)
+    assert measured["megakernel:copy"][2]["round_ms"] == pytest.approx([2.4, 2.8, 3.2])
+    assert launches == 1 and extra["stage_ms"] == {"qkv": 1.0} and extra["timing_cost_ms"] == pytest.approx(
+        3e-3 * 1.7 * 1e3 - 1.3)
