@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 MAIN_SOURCE = "decode_step.cu"
 BARRIER_PROBE_SOURCE = "barrier_probe.cu"
 BARRIER_PROBE_NAME = "megakernel::barrier_probe"
+CODE_PROBE_TEMPLATE = "megakernel::barrier_after_code<{steps}>"
 SOURCE_SUFFIXES = (".cu", ".cuh")
 CXX_STANDARD = "c++17"
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
@@ -51,6 +53,31 @@ class CompiledKernel:
 
     def object_code(self) -> ObjectCode:
         return ObjectCode.from_cubin(self.cubin, symbol_mapping={self.name_expression: self.symbol.encode()})
+
+    @property
+    def code_bytes(self) -> int:
+        """The size of the kernel's machine code (its .text section in the cubin)."""
+        return elf_section_size(self.cubin, f".text.{self.symbol}")
+
+
+def elf_section_size(elf: bytes, name: str) -> int:
+    """The size of section `name` of a little-endian ELF64 image (a cubin)."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise KernelBuildError("not an ELF64 image")
+    (section_table,) = struct.unpack_from("<Q", elf, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", elf, 0x3A)
+
+    def header(index: int) -> tuple[int, int, int]:  # sh_name, sh_offset, sh_size
+        name_offset, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", elf, section_table + index * entry_size)
+        return name_offset, offset, size
+
+    names = header(names_index)[1]
+    for index in range(count):
+        name_offset, _, size = header(index)
+        end = elf.index(b"\0", names + name_offset)
+        if elf[names + name_offset:end].decode() == name:
+            return size
+    raise KernelBuildError(f"the image has no section {name}")
 
 
 def nvrtc_version() -> str:
@@ -159,6 +186,13 @@ class KernelCache:
     def barrier_probe(self, arch: str) -> CompiledKernel:
         """The cubin of barrier_probe (the grid barrier alone) on `arch`."""
         return self._kernel(BARRIER_PROBE_SOURCE, BARRIER_PROBE_NAME, arch)
+
+    def code_probe(self, arch: str, steps: int) -> CompiledKernel:
+        """The cubin of barrier_after_code<steps> (a grid barrier, then `steps` steps of straight-line
+        code) on `arch`."""
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1, got {steps}")
+        return self._kernel(BARRIER_PROBE_SOURCE, CODE_PROBE_TEMPLATE.format(steps=steps), arch)
 
     def _kernel(self, source_name: str, name_expression: str, arch: str) -> CompiledKernel:
         if arch not in supported_archs() and arch.rstrip("a") not in supported_archs():

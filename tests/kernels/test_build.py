@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from megaserve.kernels.build import (
+    CODE_PROBE_TEMPLATE,
     MAIN_SOURCE,
     SOURCE_DIR,
     KernelBuildError,
     KernelCache,
     cache_key,
+    elf_section_size,
     resource_usage,
     source_files,
     supported_archs,
@@ -69,6 +71,29 @@ def test_the_barrier_probe_compiles_for_hopper(shared_cache):
     compiled = shared_cache.barrier_probe(HOPPER)
     assert compiled.cubin.startswith(CUBIN_MAGIC)
     assert "barrier_probe" in compiled.symbol
+
+
+def test_the_code_probe_is_straight_line_code_of_its_size(shared_cache):
+    """barrier_after_code<steps>: 8 instructions (128 bytes) a step, nothing folded or looped."""
+    small, large = shared_cache.code_probe(HOPPER, 64), shared_cache.code_probe(HOPPER, 512)
+    assert small.cubin.startswith(CUBIN_MAGIC) and "barrier_after_code" in small.symbol
+    assert small.name_expression == CODE_PROBE_TEMPLATE.format(steps=64)
+    assert (large.code_bytes - small.code_bytes) / (512 - 64) == pytest.approx(128, rel=0.05)
+    assert shared_cache.barrier_probe(HOPPER).code_bytes < small.code_bytes
+
+
+def test_the_code_probe_needs_a_step(shared_cache):
+    with pytest.raises(ValueError, match="at least 1"):
+        shared_cache.code_probe(HOPPER, 0)
+
+
+def test_a_section_size_is_read_from_the_cubin_s_elf_header(shared_cache):
+    compiled = shared_cache.barrier_probe(HOPPER)
+    assert 0 < elf_section_size(compiled.cubin, f".text.{compiled.symbol}") < len(compiled.cubin)
+    with pytest.raises(KernelBuildError, match="no section .text.missing"):
+        elf_section_size(compiled.cubin, ".text.missing")
+    with pytest.raises(KernelBuildError, match="not an ELF64 image"):
+        elf_section_size(b"PK\x03\x04" + bytes(60), ".text")
 
 
 @pytest.mark.parametrize("arch", BLACKWELL)
