@@ -12,9 +12,10 @@ This module knows the model only by duck typing (`DecodeModel` below: the attrib
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -32,6 +33,7 @@ STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "mlp")
 FINAL_STAGE = "lm_head"
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 KERNEL_DTYPE = torch.bfloat16
+LATE_SHARE = 0.1  # StageTimes.late_repeat follows the latest tenth of the grid at each barrier
 
 
 class DecodeLayer(Protocol):  # w_down stored transposed: see store_down_transposed
@@ -76,11 +78,19 @@ class StageTimes:
     grid barrier: its `release` is from the last CTA of any head to CTA 0 passing the wait for its
     own head's rows (negative when another head finished later), and attention's tail counts CTAs
     with no attention work, which arrive before CTA 0 starts it.
+
+    `late_repeat` says whether a tail is the same CTAs at every layer: of the latest LATE_SHARE of
+    the grid at a stage's barrier, the share that were among the latest at the same stage of the
+    layer before, averaged over the layers (with two or more). Late CTAs drawn at random repeat
+    about LATE_SHARE of the time; near 1, the same CTAs (the same SMs, within one launch) are slow
+    every layer, which rebalancing their work could fix and finer work stealing need not. (Where
+    the work itself is uneven, as attention's items are, the repeat says that and not more.)
     """
 
     seconds: dict[str, float]
     tail: dict[str, float]
     release: dict[str, float]
+    late_repeat: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -95,6 +105,7 @@ class StageTimes:
         seconds = dict.fromkeys((*STAGES_PER_LAYER, FINAL_STAGE), 0.0)
         tail = dict.fromkeys(STAGES_PER_LAYER, 0.0)
         release = dict.fromkeys(STAGES_PER_LAYER, 0.0)
+        late: dict[str, list[set[int]]] = {kind: [] for kind in STAGES_PER_LAYER}  # per layer, the latest CTAs
         for barrier, arrived in enumerate(arrivals):
             if 0 in arrived:  # the buffer is zeroed once; the kernel stamps every arrival of every launch
                 raise ValueError(f"CTA {list(arrived).index(0)} recorded no arrival at barrier {barrier}")
@@ -102,8 +113,15 @@ class StageTimes:
             seconds[kind] += (stamps[barrier + 1] - stamps[barrier]) * 1e-9
             tail[kind] += (max(arrived) - statistics.median_low(arrived)) * 1e-9
             release[kind] += (stamps[barrier + 1] - max(arrived)) * 1e-9
+            latest = max(1, round(LATE_SHARE * len(arrived)))
+            late[kind].append(set(sorted(range(len(arrived)), key=arrived.__getitem__)[-latest:]))
         seconds[FINAL_STAGE] = (stamps[-1] - stamps[-2]) * 1e-9
-        return cls(seconds, tail, release)
+        late_repeat = {
+            kind: statistics.mean(len(now & before) / len(now) for before, now in itertools.pairwise(sets))
+            for kind, sets in late.items()
+            if len(sets) > 1
+        }
+        return cls(seconds, tail, release, late_repeat)
 
 
 class DecodeStep:

@@ -103,6 +103,7 @@ class Result:
     # and the barrier's release after the last one (kernels.launcher.StageTimes)
     stage_tail_ms: dict[str, float] = field(default_factory=dict)
     stage_release_ms: dict[str, float] = field(default_factory=dict)
+    stage_late_repeat: dict[str, float] = field(default_factory=dict)  # StageTimes.late_repeat
     timing_cost_ms: float | None = None
     round_ms: list[float] = field(default_factory=list)  # a megakernel's ms/step of each --rounds round
     error: str | None = None  # set (and the figures NaN) when this method failed to run
@@ -234,7 +235,8 @@ def bench_context(
             ):
                 extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
                          "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
-                         "timing_cost_ms": timing_cost_ms, "round_ms": [seconds * 1e3 for seconds in round_seconds]}
+                         "stage_late_repeat": stages.late_repeat, "timing_cost_ms": timing_cost_ms,
+                         "round_ms": [seconds * 1e3 for seconds in round_seconds]}
                 yield method, (statistics.median(round_seconds), launches, extra)
     baselines = {
         "eager": lambda: (time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager), {}),
@@ -316,12 +318,14 @@ def format_table(results: list[Result], bandwidth: float, barrier_seconds: float
 def _stage_table(r: Result, bandwidth: float) -> list[str]:
     """Where one step's time goes, as a Markdown table: per stage (each with its closing barrier) the
     bytes it must read, its time, the bandwidth that makes, and its time over the floor (bytes /
-    measured bandwidth); then the closing barrier's arrival tail (median CTA to last) and release
-    (last arrival to the next stage's start)."""
+    measured bandwidth); then the closing barrier's arrival tail (median CTA to last), release
+    (last arrival to the next stage's start) and how often its latest CTAs were the previous layer's
+    (StageTimes.late_repeat)."""
     build = "" if r.method == MEGAKERNEL else f" {r.method}"
     lines = [f"stages {r.model} ctx={r.context}{build} (timing build, which costs {r.timing_cost_ms:+.3f} ms/step):",
-             "| stage | MB read | ms | GB/s | % of bandwidth | ms over floor | arrival tail ms | release ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| stage | MB read | ms | GB/s | % of bandwidth | ms over floor | arrival tail ms | release ms "
+             "| late CTAs repeat |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, ms in r.stage_ms.items():
         read_bytes = r.stage_bytes[name]
         achieved = read_bytes / (ms * 1e-3) if ms > 0 else 0.0
@@ -329,6 +333,8 @@ def _stage_table(r: Result, bandwidth: float) -> list[str]:
         over_floor = ms - read_bytes / bandwidth * 1e3
         tail, release = r.stage_tail_ms.get(name), r.stage_release_ms.get(name)
         barrier = f"{tail:.3f} | {release:.3f}" if tail is not None and release is not None else " | "
+        repeat = r.stage_late_repeat.get(name)
+        barrier += f" | {100 * repeat:.0f}%" if repeat is not None else " | "
         lines.append(f"| {name} | {read_bytes / 1e6:,.1f} | {ms:.3f} | {rate} | {over_floor:+.3f} | {barrier} |")
     return lines
 

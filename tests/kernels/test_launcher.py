@@ -66,6 +66,34 @@ def test_a_head_that_finishes_qkv_after_cta_0_starts_attention_makes_its_release
     assert times.release["attention"] == pytest.approx(0.002)  # the grid barriers are unchanged
 
 
+def test_late_repeat_tells_the_same_slow_ctas_from_a_random_tail():
+    """20 CTAs, so the latest tenth is 2: the same two late at every layer repeat fully; late CTAs
+    that move on every layer never do; one of two kept, half."""
+    layers, grid = 3, 20
+    stamps = [STEP_START + 10 * MS * b for b in range(layers * len(STAGES_PER_LAYER) + 1)]
+    stamps.append(stamps[-1] + 5 * MS)
+    late_by_kind = {
+        "qkv": lambda layer: (18, 19),  # always the same two
+        "attention": lambda layer: (2 * layer, 2 * layer + 1),  # other CTAs every layer
+        "o_proj": lambda layer: (0, 5 + layer),  # CTA 0 every layer, the other one moves
+        "mlp": lambda layer: (0, 5 + layer),
+    }
+    arrivals = []
+    for barrier in range(layers * len(STAGES_PER_LAYER)):
+        kind, layer = STAGES_PER_LAYER[barrier % len(STAGES_PER_LAYER)], barrier // len(STAGES_PER_LAYER)
+        late = late_by_kind[kind](layer)
+        arrivals.append([stamps[barrier] + (9 if cta in late else 5) * MS + cta for cta in range(grid)])
+    repeat = StageTimes.from_stamps(stamps, arrivals).late_repeat
+    assert repeat == pytest.approx({"qkv": 1.0, "attention": 0.0, "o_proj": 0.5, "mlp": 0.5})
+
+
+def test_one_layer_has_no_late_repeat():
+    barriers = len(STAGES_PER_LAYER)
+    stamps = [STEP_START + 10 * MS * b for b in range(barriers + 2)]
+    arrivals = [[stamps[b] + MS * (1 + cta) for cta in range(4)] for b in range(barriers)]
+    assert StageTimes.from_stamps(stamps, arrivals).late_repeat == {}
+
+
 SHAPE = KernelShape(hidden=256, heads=4, kv_heads=1, head_dim=64, intermediate=512, vocab=512, layers=2, qk_norm=False)
 
 

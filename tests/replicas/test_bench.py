@@ -55,7 +55,7 @@ def test_the_table_reports_each_stage_s_share_of_the_measured_bandwidth():
     results = [
         Result("Llama-3.2-1B", 1024, "megakernel", 2.0, 500.0, 1, 0.75,
                stage_ms={"qkv": 2.0, "lm_head": 0.5}, stage_bytes=stage_bytes, timing_cost_ms=0.004,
-               stage_tail_ms={"qkv": 0.25}, stage_release_ms={"qkv": 0.125}),
+               stage_tail_ms={"qkv": 0.25}, stage_release_ms={"qkv": 0.125}, stage_late_repeat={"qkv": 0.75}),
         Result("Llama-3.2-1B", 1024, "compile+graph", error="BackendCompilerFailed: inductor\ndetails"),
     ]
     table = format_table(results, bandwidth, barrier_seconds=1.25e-6)
@@ -63,8 +63,8 @@ def test_the_table_reports_each_stage_s_share_of_the_measured_bandwidth():
     assert "megakernel        2.000      500        1    75.0%" in table
     assert "compile+graph  failed: BackendCompilerFailed: inductor" in table and "details" not in table
     assert "stages Llama-3.2-1B ctx=1024 (timing build, which costs +0.004 ms/step):" in table
-    assert "| qkv | 4,000.0 | 2.000 | 2,000 | 50% | +1.000 | 0.250 | 0.125 |" in table
-    assert "| lm_head | 2,000.0 | 0.500 | 4,000 | 100% | +0.000 |  |  |" in table  # no barrier closes the head
+    assert "| qkv | 4,000.0 | 2.000 | 2,000 | 50% | +1.000 | 0.250 | 0.125 | 75% |" in table
+    assert "| lm_head | 2,000.0 | 0.500 | 4,000 | 100% | +0.000 |  |  |  |" in table  # no barrier closes the head
 
 
 def test_contexts_must_be_positive(capsys):
