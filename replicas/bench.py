@@ -303,12 +303,16 @@ def format_table(results: list[Result], bandwidth: float, barrier_seconds: float
              f"{barrier_seconds * 1e6:.2f} µs",
              f"{'model':<14} {'ctx':>5} {'method':<{width}} {'ms/step':>8} {'tok/s':>8} {'launches':>8} "
              f"{'roofline':>8}"]
+    own = {(r.model, r.context): r.ms_per_step for r in results if r.method == MEGAKERNEL and not r.error}
     for r in results:
         if r.error:
             lines.append(f"{r.model:<14} {r.context:>5} {r.method:<{width}} failed: {r.error.splitlines()[0][:60]}")
             continue
-        lines.append(f"{r.model:<14} {r.context:>5} {r.method:<{width}} {r.ms_per_step:>8.3f} "
-                     f"{r.tokens_per_second:>8.0f} {r.launches_per_step:>8} {100 * r.roofline_fraction:>7.1f}%")
+        line = (f"{r.model:<14} {r.context:>5} {r.method:<{width}} {r.ms_per_step:>8.3f} "
+                f"{r.tokens_per_second:>8.0f} {r.launches_per_step:>8} {100 * r.roofline_fraction:>7.1f}%")
+        if r.method.startswith(f"{MEGAKERNEL}:") and (r.model, r.context) in own:  # a variant, beside the sources
+            line += f" {r.ms_per_step / own[r.model, r.context] - 1:+8.1%} vs {MEGAKERNEL}"
+        lines.append(line)
     for r in results:
         if r.stage_ms:
             lines += _stage_table(r, bandwidth)

@@ -113,14 +113,14 @@ def test_bad_kernel_sources_and_rounds_are_refused(tmp_path, capsys, argv, messa
     assert message in capsys.readouterr().err
 
 
-def test_the_table_widens_for_a_variant_s_method_and_names_it_over_its_stages():
+def test_the_table_widens_for_a_variant_s_method_compares_it_and_names_it_over_its_stages():
     stages = {"stage_ms": {"qkv": 1.0}, "stage_bytes": {"qkv": 4_000_000_000}, "timing_cost_ms": 0.002}
     results = [Result("Llama-3.2-1B", 1024, MEGAKERNEL, 1.0, 1000.0, 1, 0.9, **stages),
                Result("Llama-3.2-1B", 1024, f"{MEGAKERNEL}:qkv-l2", 0.5, 2000.0, 1, 0.95, **stages)]
     table = format_table(results, 4e12, barrier_seconds=1e-6).splitlines()
     assert table[1].startswith("model            ctx method              ms/step")
     assert "Llama-3.2-1B    1024 megakernel            1.000     1000        1    90.0%" in table
-    assert "Llama-3.2-1B    1024 megakernel:qkv-l2     0.500     2000        1    95.0%" in table
+    assert "Llama-3.2-1B    1024 megakernel:qkv-l2     0.500     2000        1    95.0%   -50.0% vs megakernel" in table
     assert "stages Llama-3.2-1B ctx=1024 (timing build, which costs +0.002 ms/step):" in table
     assert "stages Llama-3.2-1B ctx=1024 megakernel:qkv-l2 (timing build, which costs +0.002 ms/step):" in table
 
