@@ -117,12 +117,19 @@ class CoalescePolicy:
             raise ValueError(f"coalesce seconds must be >= 0, got {self.seconds}")
 
 
+def context_limit(max_seq: int | None, positions: int) -> int:
+    """The context an engine serves: the tier's `max_seq` (all of the model's positions when
+    unset), never more than the model's `positions`, which a longer cache would only waste."""
+    return min(max_seq or positions, positions)
+
+
 class Engine(abc.ABC):
     """A model that turns token ids into more token ids. Implementations: TorchEngine (CPU or
     GPU reference, batch-1 or continuously batched), MegakernelEngine (batch-1 CUDA decode),
     SGLangEngine (stock SGLang, batched)."""
 
     model_name: str
+    vocab_size: int  # prompt token ids must lie in [0, vocab_size)
     max_context: int  # prompt + generated tokens must fit in this
 
     @abc.abstractmethod
@@ -138,11 +145,23 @@ class Engine(abc.ABC):
         """Stop generating and free the device; pending streams end with ABORT."""
 
     def validate(self, request: GenerateRequest) -> None:
-        """Raise EngineError if `request` cannot run on this engine; called before any work."""
+        """Raise EngineError if `request` cannot run on this engine; called before any work. With
+        vLLM's rules and wording: prompt ids must lie in the vocabulary, and prompt + max_tokens must
+        fit the context (a request that cannot finish is refused up front rather than cut short)."""
         prompt_len = len(request.prompt_token_ids)
         if prompt_len == 0:
             raise EngineError("the prompt is empty")
         if prompt_len >= self.max_context:
             raise EngineError(
                 f"the prompt has {prompt_len} tokens but the model's context is {self.max_context}"
+            )
+        for token in request.prompt_token_ids:
+            if not 0 <= token < self.vocab_size:
+                raise EngineError(f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        wanted = request.sampling.max_tokens
+        if prompt_len + wanted > self.max_context:
+            raise EngineError(
+                f"this model's maximum context length is {self.max_context} tokens, but {prompt_len + wanted} "
+                f"were requested ({prompt_len} in the prompt, {wanted} to generate); "
+                "shorten the prompt or lower max_tokens"
             )

@@ -65,10 +65,10 @@ from ..protocol import (
     SamplingParams,
     StepOutput,
     Tier,
+    context_limit,
 )
 from .engine_metrics import EngineMetrics
 from .stream import Chunk, TokenStream
-from .validation import check_context, check_token_ids
 
 INSTALL_HINT = "pip install 'megaserve[sglang]'"
 SGLANG_DEFAULTS: dict[str, Any] = {"enable_priority_scheduling": True}
@@ -146,7 +146,7 @@ def model_limits(hf_config: Mapping[str, Any], max_seq: int | None) -> tuple[int
         if key not in hf_config:
             raise ValueError(f"config.json lacks {key!r}")
     positions = int(hf_config["max_position_embeddings"])
-    return int(hf_config["vocab_size"]), min(max_seq or positions, positions)
+    return int(hf_config["vocab_size"]), context_limit(max_seq, positions)
 
 
 @dataclass
@@ -224,11 +224,6 @@ class SGLangEngine(Engine):
         self._active: dict[str, tuple[TokenStream, asyncio.Task]] = {}  # rid -> its stream and pump
         self._probes: set[asyncio.Event] = set()  # set by every SGLang output: liveness for health
         self._closed = False
-
-    def validate(self, request: GenerateRequest) -> None:
-        super().validate(request)
-        check_token_ids(request, self.vocab_size)
-        check_context(request, self.max_context)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         """Validate now (EngineError at the call), submit to SGLang when iteration starts."""

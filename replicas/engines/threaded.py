@@ -23,7 +23,6 @@ import torch
 
 from ..protocol import CoalescePolicy, Engine, EngineError, EngineHealth, GenerateRequest, StepOutput
 from .stream import RequestQueue, TokenStream
-from .validation import check_context, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +44,6 @@ class Admission:
 
 
 class StepThreadEngine(Engine):
-    vocab_size: int
     eos_ids: frozenset[int]
     coalesce: CoalescePolicy
 
@@ -76,11 +74,6 @@ class StepThreadEngine(Engine):
     @abc.abstractmethod
     def _running_count(self) -> int:
         """Requests being generated now."""
-
-    def validate(self, request: GenerateRequest) -> None:
-        super().validate(request)
-        check_token_ids(request, self.vocab_size)
-        check_context(request, self.max_context)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         """Validate now (EngineError at the call), queue when iteration starts."""

@@ -35,7 +35,7 @@ from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import KVCache, load_model
-from ..protocol import CoalescePolicy, FinishReason, Tier
+from ..protocol import CoalescePolicy, FinishReason, Tier, context_limit
 from ..sampling import SamplingTable, sample
 from .engine_metrics import EngineMetrics
 from .stream import StreamOutbox
@@ -68,8 +68,7 @@ class TorchEngine(StepThreadEngine):
         config = self.model.config
         self.vocab_size = config.vocab_size
         self.eos_ids = frozenset(config.eos_token_ids)
-        # A longer cache than the model's positions would be wasted: clamp to them.
-        self.max_context = min(max_seq or config.max_position_embeddings, config.max_position_embeddings)
+        self.max_context = context_limit(max_seq, config.max_position_embeddings)
         self.max_batch = max_batch
         self.model_name = model_name or Path(model_dir).name
         self.tier = Tier(tier).value
