@@ -144,6 +144,8 @@ def router_settings(config: AppConfig, env: Environment, model_dir: str) -> Rout
         max_context=max_context,
         latency_capacity=-(-latency_slots // routers),
         throughput_capacity=-(-throughput_slots // routers),
+        latency_replicas=config.latency.num_replicas,
+        throughput_replicas=config.throughput.num_replicas,
         api_keys=env.api_keys,
         max_body_bytes=config.routing.max_body_bytes,
         latency_max_prompt_tokens=config.routing.latency_max_prompt_tokens,

@@ -10,7 +10,9 @@ Choosing (first match wins):
      `latency_max_prompt_tokens` -> throughput (reason "prompt_length"); else latency ("policy").
 
 Admitting: the router counts the requests (one slot per choice) it has in flight on each tier
-against the tier's capacity. A latency request that finds no free slot waits up to
+against the tier's capacity, scaled by the share of the tier's replicas that are healthy (with one
+of two latency replicas restarting, one request runs there and the next spills over instead of
+queueing behind the restart at the replica's handle). A latency request that finds no free slot waits up to
 `latency_wait_seconds` in FIFO order, then spills over to throughput (reason "spillover") if
 `spillover` is on, else is refused. Throughput never spills to latency: a batch-1 replica is too
 precious for work that asked for bulk service. A deployment of one tier serves every request on
@@ -74,6 +76,11 @@ class TierSlots:
     def _fits(self, slots: int) -> bool:
         return self.in_flight + slots <= self.capacity
 
+    def resize(self, capacity: int) -> None:
+        """Count against `capacity` from now on; requests in flight above it finish as they are."""
+        self.capacity = capacity
+        self._wake()
+
     def take_now(self, slots: int) -> bool:
         """Take `slots` if they are free and nobody waits for them."""
         if self._waiters or not self._fits(slots):
@@ -134,20 +141,29 @@ class Admission:
     def __init__(self, settings: RouterSettings, backends: Mapping[Tier, Backend]) -> None:
         self.settings = settings
         self.backends = backends
-        self.slots = {
-            Tier.LATENCY: TierSlots(settings.latency_capacity if Tier.LATENCY in backends else 0),
-            Tier.THROUGHPUT: TierSlots(settings.throughput_capacity if Tier.THROUGHPUT in backends else 0),
+        # (the capacity with every replica healthy, the replicas it counts) per tier
+        self._full = {
+            Tier.LATENCY: (settings.latency_capacity if Tier.LATENCY in backends else 0, settings.latency_replicas),
+            Tier.THROUGHPUT: (settings.throughput_capacity if Tier.THROUGHPUT in backends else 0,
+                              settings.throughput_replicas),
         }
+        self.slots = {tier: TierSlots(capacity) for tier, (capacity, _) in self._full.items()}
         self._wait_seconds = {
             Tier.LATENCY: settings.latency_wait_seconds,
             Tier.THROUGHPUT: settings.throughput_wait_seconds,
         }
 
     def deployed(self, tier: Tier) -> bool:
-        return tier in self.backends and self.slots[tier].capacity > 0
+        return tier in self.backends and self._full[tier][0] > 0
 
     async def healthy(self, tier: Tier) -> bool:
-        return self.deployed(tier) and await self.backends[tier].healthy_replicas() > 0
+        """Whether `tier` has a healthy replica; its slots are resized to the healthy ones' share."""
+        if not self.deployed(tier):
+            return False
+        capacity, replicas = self._full[tier]
+        healthy = min(await self.backends[tier].healthy_replicas(), replicas)
+        self.slots[tier].resize(-(-capacity * healthy // replicas))  # a healthy replica keeps a slot
+        return healthy > 0
 
     async def admit(self, route: Route, slots: int) -> Lease:
         """A lease on `route.tier`, on the other tier if that one alone is deployed, on throughput
@@ -182,7 +198,7 @@ class Admission:
         return Lease(self.slots[route.tier], slots, route)
 
     def _refusal(self, tier: Tier, slots: int, *, unavailable: bool) -> APIError:
-        capacity = self.slots[tier].capacity
+        capacity = self._full[tier][0]
         if not unavailable and slots > capacity:  # waiting would never help
             return invalid(f"n is {slots} but the {tier.value} tier runs at most {capacity} choices at once; "
                            "ask for fewer", "n")

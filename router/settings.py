@@ -28,6 +28,8 @@ class RouterSettings:
     max_context: int  # prompt + generated tokens must fit in this (the replicas' context)
     latency_capacity: int  # requests the latency tier runs at once: replicas x 1 (batch-1)
     throughput_capacity: int  # requests the throughput tier runs at once: replicas x max ongoing
+    latency_replicas: int = 1  # the replicas latency_capacity counts; fewer healthy ones, less capacity
+    throughput_replicas: int = 1  # the same for throughput_capacity
     api_keys: tuple[str, ...] = ()  # accepted bearer tokens; empty disables auth
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     latency_max_prompt_tokens: int = DEFAULT_LATENCY_MAX_PROMPT_TOKENS  # service_tier "auto": longer prompts go to throughput
@@ -46,6 +48,9 @@ class RouterSettings:
         for name in ("latency_capacity", "throughput_capacity", "latency_max_prompt_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("latency_replicas", "throughput_replicas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.throughput_capacity == 0 and self.latency_capacity == 0:
             raise ValueError("at least one tier needs capacity")
         for name in ("latency_wait_seconds", "throughput_wait_seconds"):

@@ -113,6 +113,7 @@ def test_router_capacities_are_shared_between_router_replicas(tmp_path):
     settings = builder.router_settings(config, _env(tmp_path), "/models/x")
     assert settings.latency_capacity == 2  # ceil(3 / 2): never below one slot per router
     assert settings.throughput_capacity == 10
+    assert (settings.latency_replicas, settings.throughput_replicas) == (3, 2)  # what the capacities count
     assert settings.max_context == 2048
 
 

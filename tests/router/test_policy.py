@@ -170,8 +170,67 @@ async def test_more_choices_than_the_tier_ever_runs_at_once_is_a_400_not_a_429(e
         assert "throughput" in caught.value.message and "2" in caught.value.message
     assert admission.slots[Tier.THROUGHPUT].in_flight == 0
 
+class ReplicaCountBackend(EngineBackend):
+    """A real engine behind a tier whose healthy replica count the test sets."""
+
+    def __init__(self, engine, healthy: int) -> None:
+        super().__init__(engine)
+        self.healthy = healthy
+
+    async def healthy_replicas(self) -> int:
+        return self.healthy
+
+
+async def test_capacity_follows_the_healthy_replicas(engines):
+    """Two latency replicas, one restarting: one request runs on latency and the next spills over
+    (rather than queueing at the handle behind the restart); back to two, two run there again."""
+    latency = ReplicaCountBackend(engines[Tier.LATENCY], healthy=1)
+    admission = Admission(settings(latency_capacity=2, latency_replicas=2),
+                          {Tier.LATENCY: latency, Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])})
+    first = await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    second = await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    assert first.tier is Tier.LATENCY and second.route == Route(Tier.THROUGHPUT, "spillover")
+    assert admission.slots[Tier.LATENCY].capacity == 1
+    latency.healthy = 2
+    third = await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    assert third.tier is Tier.LATENCY and admission.slots[Tier.LATENCY].in_flight == 2
+    latency.healthy = 5  # more than configured (a replica starting beside one stopping): still 2
+    with pytest.raises(APIError) as caught:
+        await Admission(settings(latency_capacity=2, latency_replicas=2, spillover=False),
+                        {Tier.LATENCY: latency}).admit(Route(Tier.LATENCY, "policy"), 3)
+    assert caught.value.status == 400 and "2" in caught.value.message  # n beyond the full tier
+    for lease in (first, second, third):
+        lease.release()
+
+
+async def test_n_within_the_full_tier_but_beyond_its_healthy_share_is_busy_not_invalid(engines):
+    latency = ReplicaCountBackend(engines[Tier.LATENCY], healthy=1)
+    admission = Admission(settings(latency_capacity=4, latency_replicas=4, spillover=False), {Tier.LATENCY: latency})
+    with pytest.raises(APIError) as caught:
+        await admission.admit(Route(Tier.LATENCY, "header"), 2)
+    assert caught.value.status == 429 and caught.value.reason == "saturated"
+    assert admission.slots[Tier.LATENCY].in_flight == 0
+
+
+async def test_a_waiter_gets_the_slot_that_a_recovered_replica_brings(engines):
+    latency = ReplicaCountBackend(engines[Tier.LATENCY], healthy=1)
+    admission = Admission(settings(latency_capacity=2, latency_replicas=2, latency_wait_seconds=5),
+                          {Tier.LATENCY: latency})
+    held = await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    waiting = asyncio.create_task(admission.admit(Route(Tier.LATENCY, "policy"), 1))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    latency.healthy = 2
+    assert await admission.healthy(Tier.LATENCY)  # the next health read resizes the slots
+    assert (await asyncio.wait_for(waiting, 1)).tier is Tier.LATENCY
+    for lease in (held, waiting.result()):
+        lease.release()
+
+
 def test_settings_refuse_nonsense():
     with pytest.raises(ValueError, match="at least one tier"):
         settings(latency_capacity=0, throughput_capacity=0)
     with pytest.raises(ValueError, match="latency_wait_seconds"):
         settings(latency_wait_seconds=-1)
+    with pytest.raises(ValueError, match="throughput_replicas must be at least 1"):
+        settings(throughput_replicas=0)
