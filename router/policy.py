@@ -1,7 +1,8 @@
 """Which tier serves a request, and whether it may start now.
 
 Choosing (first match wins):
-  1. the body's `service_tier`: "priority" -> latency; "default" or "flex" -> throughput
+  1. the body's `service_tier`: "priority" or "fast" (OpenAI's alias of it) -> latency;
+     "default", "flex" or "scale" -> throughput
      (reason "requested"). This is OpenAI's own field, so a client's explicit choice is honoured
      over any header a gateway adds;
   2. the header `x-megaserve-tier: latency|throughput` (reason "header"), e.g. set per customer
@@ -35,7 +36,8 @@ from megaserve.router.errors import APIError, busy, invalid
 from megaserve.router.settings import RouterSettings
 
 TIER_HEADER = "x-megaserve-tier"
-SERVICE_TIER_TO_TIER = {"priority": Tier.LATENCY, "default": Tier.THROUGHPUT, "flex": Tier.THROUGHPUT}
+SERVICE_TIER_TO_TIER = {"priority": Tier.LATENCY, "fast": Tier.LATENCY, "default": Tier.THROUGHPUT,
+                        "flex": Tier.THROUGHPUT, "scale": Tier.THROUGHPUT}
 OTHER_TIER = {Tier.LATENCY: Tier.THROUGHPUT, Tier.THROUGHPUT: Tier.LATENCY}
 
 
@@ -71,13 +73,15 @@ class TierSlots:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.in_flight = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        # each waiter's slots and its future: True once granted, False once they can never fit
+        self._waiters: deque[tuple[int, asyncio.Future[bool]]] = deque()
 
     def _fits(self, slots: int) -> bool:
         return self.in_flight + slots <= self.capacity
 
     def resize(self, capacity: int) -> None:
-        """Count against `capacity` from now on; requests in flight above it finish as they are."""
+        """Count against `capacity` from now on; requests in flight above it finish as they are, and
+        waiters for more slots than it holds are refused at once (they would block those behind)."""
         self.capacity = capacity
         self._wake()
 
@@ -97,14 +101,14 @@ class TierSlots:
         granted = False
         try:
             await asyncio.wait((waiter[1],), timeout=wait_seconds)
-            granted = waiter[1].done()
+            granted = waiter[1].done() and waiter[1].result()
             return granted
         finally:
             if not waiter[1].done():
                 waiter[1].cancel()
                 self._waiters.remove(waiter)
                 self._wake()  # those queued behind this one may fit now
-            elif not granted:  # granted in the same moment this task was cancelled
+            elif waiter[1].result() and not granted:  # granted in the same moment this task was cancelled
                 self.give_back(slots)
 
     def give_back(self, slots: int) -> None:
@@ -112,10 +116,14 @@ class TierSlots:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            slots, future = self._waiters.popleft()
-            self.in_flight += slots
-            future.set_result(None)
+        while self._waiters:
+            slots, future = self._waiters[0]
+            if slots <= self.capacity and not self._fits(slots):
+                return  # the head waits for slots to come back, and the rest behind it
+            self._waiters.popleft()
+            granted = slots <= self.capacity
+            self.in_flight += slots if granted else 0
+            future.set_result(granted)
 
 
 class Lease:

@@ -28,6 +28,8 @@ def settings(**overrides) -> RouterSettings:
     ("priority", "throughput", 10, 1, Route(Tier.LATENCY, "requested")),
     ("default", "latency", 10, 1, Route(Tier.THROUGHPUT, "requested")),
     ("flex", None, 10, 1, Route(Tier.THROUGHPUT, "requested")),
+    ("fast", "throughput", 10, 1, Route(Tier.LATENCY, "requested")),  # OpenAI's alias of priority
+    ("scale", "latency", 10, 1, Route(Tier.THROUGHPUT, "requested")),
     ("auto", "throughput", 10, 1, Route(Tier.THROUGHPUT, "header")),
     (None, " Latency ", 500, 4, Route(Tier.LATENCY, "header")),
     ("auto", None, 10, 2, Route(Tier.THROUGHPUT, "n")),
@@ -225,6 +227,19 @@ async def test_a_waiter_gets_the_slot_that_a_recovered_replica_brings(engines):
     assert (await asyncio.wait_for(waiting, 1)).tier is Tier.LATENCY
     for lease in (held, waiting.result()):
         lease.release()
+
+
+async def test_a_waiter_that_no_longer_fits_is_refused_and_blocks_nobody():
+    """Capacity 2, one slot held, a request for 2 waits; the capacity shrinks to 1 (a replica went
+    down): the waiter is refused at once, and the slot given back goes to the next request."""
+    slots = TierSlots(capacity=2)
+    assert slots.take_now(1)
+    big = asyncio.create_task(slots.wait_for(2, wait_seconds=5))
+    await asyncio.sleep(0.01)
+    slots.resize(1)
+    assert await asyncio.wait_for(big, 1) is False and slots.in_flight == 1
+    slots.give_back(1)
+    assert slots.take_now(1) and slots.in_flight == 1
 
 
 def test_settings_refuse_nonsense():
