@@ -104,7 +104,8 @@ REJECTED_REQUESTS = Counter(
 )
 FINISHED_REQUESTS = Counter(
     "megaserve_finished_requests",
-    "Requests that ended, by OpenAI finish_reason (stop, length, abort, cancelled).",
+    "Choices that ended (n per request), by OpenAI finish_reason (stop, length, abort), or cancelled (the "
+    "client left first) or error (the replica failed).",
     ["tier", "model", "finish_reason"],
 )
 QUEUE_DEPTH = Gauge(

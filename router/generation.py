@@ -7,7 +7,8 @@ decoding. Leaving `events()` early (client gone, error) closes every replica str
 
 Metrics: time to first token (arrival to the first token of any choice), inter-token latency
 (the engine step time of every token after a choice's first), request duration, prompt tokens
-(once per request), generated tokens, and one finished-request count per choice.
+(once per request), generated tokens, and one finished-request count per choice: by its OpenAI
+finish_reason, "cancelled" when the client left first, "error" when the replica failed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from megaserve.router.backend import Backend
 from megaserve.router.streaming import closing
 from megaserve.router.tokenizer import IncrementalDetokenizer, Tokenizer
 
-CANCELLED = "cancelled"  # finish_reason label of a request whose client went away
+CANCELLED = "cancelled"  # finish_reason label of a choice whose client went away
+FAILED = "error"  # finish_reason label of a choice that its replica failed, or that was refused
 
 
 class GenerationFailed(Exception):
@@ -118,6 +120,14 @@ class Generation:
             self._record_end()
 
     async def _choice(self, index: int, request: GenerateRequest) -> AsyncGenerator[Delta, None]:
+        try:
+            async for delta in self._choice_deltas(index, request):
+                yield delta
+        except Exception:  # not the client leaving: that closes or cancels, a BaseException
+            self.finish_reasons.setdefault(index, FAILED)
+            raise
+
+    async def _choice_deltas(self, index: int, request: GenerateRequest) -> AsyncGenerator[Delta, None]:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         matcher = StopMatcher(self.stops)
         first = True

@@ -6,8 +6,11 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 
+import pytest
+
+from megaserve.monitoring.metrics import FINISHED_REQUESTS
 from megaserve.replicas.protocol import FinishReason, GenerateRequest, StepOutput, Tier
-from megaserve.router.generation import Generation, StopMatcher
+from megaserve.router.generation import Generation, GenerationFailed, StopMatcher
 from megaserve.router.tokenizer import Tokenizer
 
 STEP_SECONDS = 0.001
@@ -85,3 +88,33 @@ def test_usage_counts_the_tokens_up_to_the_one_that_completes_a_stop_string(toke
     assert generation.decode_tokens == completing - 1  # the first token's step is the prefill
     generation, text = asyncio.run(generate(tokenizer, token_ids, ()))
     assert text == "ab STOP cd ef gh" and generation.completion_tokens == len(token_ids)
+
+
+class FailingBackend:
+    """A replica that sends one token and then fails, as a replica whose GPU faulted does."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        yield StepOutput([5], [STEP_SECONDS])
+        yield StepOutput([], [], FinishReason.ABORT, error="CUDA error: an illegal memory access")
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+def test_a_failed_replica_is_counted_as_an_error_not_as_a_client_that_left(tokenizer):
+    counted = {reason: FINISHED_REQUESTS.labels(tier="latency", model="failing", finish_reason=reason)
+               for reason in ("error", "cancelled")}
+    before = {reason: counter._value.get() for reason, counter in counted.items()}
+    requests = [GenerateRequest("r", (1, 2, 3)), GenerateRequest("r-1", (1, 2, 3))]
+    generation = Generation(FailingBackend(), requests, Tier.LATENCY, "failing", tokenizer, (),
+                            arrival=time.perf_counter())
+
+    async def consume() -> None:
+        async for _ in generation.events():
+            pass
+
+    with pytest.raises(GenerationFailed, match="illegal memory access"):
+        asyncio.run(consume())
+    after = {reason: counter._value.get() for reason, counter in counted.items()}
+    assert after["error"] >= before["error"] + 1  # the choice that failed; the other may be closed first
+    assert after["error"] + after["cancelled"] == before["error"] + before["cancelled"] + 2
