@@ -4,8 +4,8 @@ POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /
 Per request: authenticate, read and validate the body, apply the chat template and tokenize once,
 choose and admit a tier (`policy`), stream the replica's tokens back as text (`generation`),
 as server-sent events in OpenAI's chunk format or as one JSON body. The tier used is echoed in
-the body's `service_tier` (OpenAI's names: "priority" for latency, "default" or "flex" for
-throughput) and in the `x-megaserve-tier` header ("latency" / "throughput"), with the routing
+the body's `service_tier` (OpenAI's names: "priority" for latency, "default", "flex" or "scale"
+for throughput) and in the `x-megaserve-tier` header ("latency" / "throughput"), with the routing
 reason in `x-megaserve-route-reason`. Every refusal is an OpenAI-style error JSON.
 """
 
@@ -204,8 +204,10 @@ class _Router:
         room = context - prompt_tokens
         max_tokens = body.requested_max_tokens or room
         if max_tokens > room:
-            raise invalid(f"max_tokens is {max_tokens} but the prompt ({prompt_tokens} tokens) leaves room for "
-                          f"{room} in the model's context of {context}", "max_tokens", "context_length_exceeded")
+            field = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
+                     and body.max_completion_tokens is not None else "max_tokens")
+            raise invalid(f"{field} is {max_tokens} but the prompt ({prompt_tokens} tokens) leaves room for "
+                          f"{room} in the model's context of {context}", field, "context_length_exceeded")
         stop_ids = tuple(body.stop_token_ids or ())  # the engines add the model's eos ids themselves
         self._check_token_ids(list(stop_ids), "stop_token_ids")
         return SamplingParams(

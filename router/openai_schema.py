@@ -10,12 +10,12 @@ silently ignored; fields nobody defines are ignored, as OpenAI does. Extensions,
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-ServiceTier = Literal["auto", "default", "flex", "priority"]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 OpenAIFinishReason = Literal["stop", "length", "abort"]
 
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; vLLM any number; matching cost grows with each
@@ -99,6 +99,7 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
 class GenerationRequest(_Request):
     """The sampling fields both endpoints share."""
 
+    unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
@@ -118,7 +119,7 @@ class GenerationRequest(_Request):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, neutral in _UNSUPPORTED_NEUTRAL.items():
+            for name, neutral in cls.unsupported_neutral.items():
                 if name in data and data[name] not in neutral:
                     raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server",
                                               {"name": name})
@@ -174,6 +175,9 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
+    # The legacy endpoint's `logprobs` is a count, and 0 asks for the sampled tokens' logprobs.
+    unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL | {"logprobs": (None,)}
+
     prompt: str | list[int] | list[str] | list[list[int]]
 
     @field_validator("prompt")

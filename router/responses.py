@@ -35,9 +35,10 @@ SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
 
 
 def served_tier(body: GenerationRequest, lease: Lease) -> str:
-    """OpenAI's name of the tier used: a "flex" request served by throughput stays "flex"."""
-    if lease.tier is Tier.THROUGHPUT and body.service_tier == "flex":
-        return "flex"
+    """OpenAI's name of the tier used: a "flex" or "scale" request served by throughput keeps its
+    name; "fast" is OpenAI's alias of "priority", which is what its answers say."""
+    if lease.tier is Tier.THROUGHPUT and body.service_tier in ("flex", "scale"):
+        return body.service_tier
     return SERVED_SERVICE_TIER[lease.tier]
 
 

@@ -30,9 +30,11 @@ def sse_payloads(response: httpx.Response) -> list:
     return payloads
 
 
-@pytest.mark.parametrize("service_tier, tier", [("priority", "latency"), ("default", "throughput"),
-                                                ("flex", "throughput")])
-def test_chat_completion_echoes_the_tier_in_body_and_header(router_url, service_tier, tier):
+@pytest.mark.parametrize("service_tier, tier, echoed", [
+    ("priority", "latency", "priority"), ("fast", "latency", "priority"), ("default", "throughput", "default"),
+    ("flex", "throughput", "flex"), ("scale", "throughput", "scale"),
+])
+def test_chat_completion_echoes_the_tier_in_body_and_header(router_url, service_tier, tier, echoed):
     response = httpx.post(f"{router_url}/v1/chat/completions", json={
         "model": MODEL, "messages": HELLO, "max_completion_tokens": 6, "service_tier": service_tier, **GREEDY})
     assert response.status_code == 200, response.text
@@ -40,7 +42,7 @@ def test_chat_completion_echoes_the_tier_in_body_and_header(router_url, service_
     assert response.headers["x-megaserve-route-reason"] == "requested"
     body = response.json()
     assert body["object"] == "chat.completion" and body["model"] == MODEL
-    assert body["service_tier"] == service_tier
+    assert body["service_tier"] == echoed
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 6
