@@ -44,9 +44,14 @@ class EngineError(Exception):
     """A request that an engine refuses (bad ids, too long, ...); the message is for the client."""
 
 
+# Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): logits / temperature would
+# overflow float32 (1e-300 is 0 in it), and the draw would then pick among infinities.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. `temperature == 0` means greedy (argmax)."""
+    """How to pick each next token. `temperature` 0 (or below GREEDY_TEMPERATURE) means greedy (argmax)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -68,7 +73,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
     """SGLang's `sampling_params` dict for our SamplingParams."""
     mapped: dict[str, Any] = {
         "max_new_tokens": params.max_tokens,
-        "temperature": params.temperature,
+        "temperature": 0.0 if params.greedy else params.temperature,  # greedy rows are greedy on every tier
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else TOP_K_DISABLED,
         "ignore_eos": params.ignore_eos,

@@ -27,6 +27,14 @@ def test_greedy_rows_take_the_argmax():
     assert torch.equal(tokens, logits.argmax(-1))
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """1e-300 is 0 in float32 and 1e-30 makes every logit infinite: both must be the argmax, as in vLLM."""
+    logits = _logits(6)
+    params = [SamplingParams(temperature=t, seed=s) for s, t in enumerate((1e-300, 1e-30, 1e-6) * 2)]
+    assert all(p.greedy for p in params) and not SamplingParams(temperature=1e-4).greedy
+    assert torch.equal(_draw(logits, params, list(range(6))), logits.argmax(-1))
+
+
 def test_tiny_top_p_equals_greedy_through_the_filter():
     # temperature > 0 and a tiny top_p send the rows through the sort-and-mask path.
     logits = _logits(8)

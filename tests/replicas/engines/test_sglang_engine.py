@@ -41,6 +41,11 @@ def test_sampling_params_map_to_sglang_names():
     }
 
 
+def test_a_temperature_below_the_greedy_threshold_is_sent_as_greedy():
+    assert sglang_sampling_params(SamplingParams(temperature=1e-30))["temperature"] == 0.0
+    assert sglang_sampling_params(SamplingParams(temperature=1e-4))["temperature"] == 1e-4
+
+
 def test_defaults_disable_top_k_and_leave_out_unset_fields():
     mapped = sglang_sampling_params(SamplingParams(temperature=0.0))
     assert mapped["top_k"] == -1 and mapped["temperature"] == 0.0
