@@ -36,27 +36,34 @@ def _default_device() -> str:
 
 def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     from megaserve.replicas.engines import create_engine
-    from megaserve.replicas.protocol import GenerateRequest, SamplingParams
+    from megaserve.replicas.protocol import EngineError, GenerateRequest, SamplingParams
     from megaserve.router.tokenizer import IncrementalDetokenizer, Tokenizer
 
-    settings = {"device": args.device or _default_device(), "max_batch": 1}
-    if args.engine == "megakernel":
-        settings = {"device": "cuda", "kernel_cache": str(env.kernel_cache)}
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    except EngineError as error:
+        print(f"megaserve generate: {error}", file=sys.stderr)
+        return 2
     try:
         tokenizer = Tokenizer.from_dir(args.model)
         prompt_ids = _prompt_ids(tokenizer, args)
+        # A KV cache for this one request, not for the model's whole context (131,072 positions of
+        # Llama-3.1-8B would take 17 GB); the engine caps it at the model's positions.
+        max_seq = len(prompt_ids) + sampling.max_tokens
+        settings = {"device": args.device or _default_device(), "max_batch": 1, "max_seq": max_seq}
+        if args.engine == "megakernel":
+            settings = {"device": "cuda", "kernel_cache": str(env.kernel_cache), "max_seq": max_seq}
         engine = create_engine(args.engine, model_dir=args.model, **settings)
     except (OSError, ValueError, RuntimeError) as error:  # no model there, a shape or device it cannot run
         print(f"megaserve generate: cannot run the {args.engine} engine on {args.model}: {error}", file=sys.stderr)
         return 2
-    request = GenerateRequest(
-        request_id="cli",
-        prompt_token_ids=tuple(prompt_ids),
-        sampling=SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
-        ),
-    )
+    request = GenerateRequest(request_id="cli", prompt_token_ids=tuple(prompt_ids), sampling=sampling)
+    try:
+        engine.validate(request)
+    except EngineError as error:
+        print(f"megaserve generate: {error}", file=sys.stderr)
+        return 2
     detokenizer = IncrementalDetokenizer(tokenizer)
     token_ids: list[int] = []
     step_ms: list[float] = []

@@ -60,6 +60,12 @@ def test_a_missing_model_is_a_one_line_error(tmp_path):
     assert f"cannot run the torch engine on {tmp_path / 'nothing-here'}: no tokenizer.json" in error
 
 
+def test_a_request_the_engine_refuses_is_a_one_line_error(demo_dir):
+    assert "max_tokens must be at least 1" in _generate_fails("hi", "--model", demo_dir, "--max-tokens", "0")
+    too_long = _generate_fails("hi", "--model", demo_dir, "--device", "cpu", "--max-tokens", "5000")
+    assert "maximum context length is 2048 tokens" in too_long  # the demo model's positions
+
+
 class FailingStreamHandler(http.server.BaseHTTPRequestHandler):
     """A server whose generation fails after its 200, as the router reports a replica's failure."""
 
