@@ -29,6 +29,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+MEGAKERNEL_DTYPES = ("auto", "bfloat16")  # the kernel is written for bf16; auto loads bf16 there
+
+
 class ModelSpec(_Strict):
     name: str = Field(
         DEMO_MODEL_NAME, min_length=1,
@@ -148,7 +151,7 @@ class ThroughputTier(TierCommon):
     )
     sglang_args: dict[str, object] = Field(
         default_factory=dict, description="engine sglang: further `sglang.Engine` keyword "
-        "arguments (SGLang ServerArgs fields, e.g. mem_fraction_static, chunked_prefill_size, "
+        "arguments (SGLang ServerArgs fields, e.g. chunked_prefill_size, "
         "enable_deterministic_inference for seeded sampling). The ones megaserve sets are refused "
         "here: model_path (model.path), tp_size, context_length (max_seq_len), dtype (model.dtype), "
         "max_running_requests (max_batch), enable_metrics (sglang_metrics), mem_fraction_static "
@@ -228,6 +231,10 @@ class AppConfig(_Strict):
     def _tiers(self):
         if not (self.latency.enabled or self.throughput.enabled):
             raise ValueError("at least one of latency.enabled / throughput.enabled must be true")
+        if (self.latency.enabled and self.latency.resolved_engine == "megakernel"
+                and self.model.dtype not in MEGAKERNEL_DTYPES):
+            raise ValueError(f"the megakernel engine (latency.engine on cuda) runs bfloat16 weights, not "
+                             f"model.dtype {self.model.dtype}: use auto or bfloat16, or latency.engine: torch")
         if self.model.max_context is not None:
             for name in ("latency", "throughput"):
                 tier = getattr(self, name)

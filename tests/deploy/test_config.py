@@ -47,6 +47,7 @@ def test_every_field_has_a_description():
      "not supported by engine sglang"),
     ({"latency": {"nodes_per_replica": 0}}, "nodes_per_replica"),
     ({"routing": {"latency_wait_seconds": -1}}, "latency_wait_seconds"),
+    ({"model": {"dtype": "float16"}, "latency": {"device": "cuda"}}, "runs bfloat16 weights, not model.dtype float16"),
     ({"unknown_section": {}}, "unknown_section"),
 ])
 def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
@@ -58,6 +59,11 @@ def test_a_disabled_tier_s_sequence_length_does_not_bound_the_context():
     config = AppConfig.model_validate({"model": {"max_context": 4096}, "throughput": {"enabled": False},
                                        "latency": {"max_seq_len": 4096}})
     assert config.model.max_context == 4096
+
+
+def test_other_dtypes_are_fine_where_the_megakernel_does_not_serve():
+    for latency in ({"device": "cuda", "engine": "torch"}, {"enabled": False}, {}):
+        assert AppConfig.model_validate({"model": {"dtype": "float16"}, "latency": latency}).model.dtype == "float16"
 
 
 def test_cuda_latency_tier_picks_the_megakernel():
