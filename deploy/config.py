@@ -59,7 +59,7 @@ class TierCommon(_Strict):
     tp_size: int = Field(
         1, ge=1, description="GPUs per replica, reserved as one tensor-parallel group (cuda only). "
         "SGLang drives all of them; the megakernel engine drives the first (its tensor-parallel form "
-        "is not built yet, and the builder warns).",
+        "is not built yet, and the builder warns); the torch engine runs on one, so it takes 1.",
     )
     nodes_per_replica: int = Field(
         1, ge=1, description="Nodes one replica's tensor-parallel group spans, each giving "
@@ -118,6 +118,9 @@ class LatencyTier(TierCommon):
         if self.nodes_per_replica > 1 and self.resolved_engine != "megakernel":
             raise ValueError("latency.nodes_per_replica > 1 needs engine megakernel (the torch "
                              "engine runs on one device)")
+        if self.tp_size > 1 and self.resolved_engine == "torch":
+            raise ValueError("latency.tp_size > 1 needs engine megakernel: the torch engine runs on one "
+                             "device, and the other GPUs of the group would stay idle")
         return self
 
     @property
@@ -175,6 +178,9 @@ class ThroughputTier(TierCommon):
                              f"the config (see the field's description)")
         if self.max_ongoing_requests < self.max_batch:
             raise ValueError("throughput.max_ongoing_requests must be >= max_batch")
+        if self.tp_size > 1 and self.engine == "torch":
+            raise ValueError("throughput.tp_size > 1 needs engine sglang: the torch engine runs on one "
+                             "device, and the other GPUs of the group would stay idle")
         return self
 
 

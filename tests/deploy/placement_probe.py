@@ -27,7 +27,7 @@ APP_ARGS = {
     "latency": {"device": "cuda", "engine": "megakernel", "tp_size": 4, "nodes_per_replica": 2,
                 "accelerator_type": ACCELERATOR, "label_selector": {TIER_LABEL: "latency"},
                 "cpus_per_replica": 0.5},
-    "throughput": {"device": "cuda", "engine": "torch", "tp_size": 2,
+    "throughput": {"device": "cuda", "engine": "sglang", "tp_size": 2,
                    "accelerator_type": ACCELERATOR, "label_selector": {TIER_LABEL: "throughput"},
                    "cpus_per_replica": 0.5},
 }

@@ -46,6 +46,8 @@ def test_every_field_has_a_description():
     ({"throughput": {"device": "cuda", "engine": "sglang", "tp_size": 8, "nodes_per_replica": 2}},
      "not supported by engine sglang"),
     ({"latency": {"nodes_per_replica": 0}}, "nodes_per_replica"),
+    ({"latency": {"device": "cuda", "engine": "torch", "tp_size": 4}}, "latency.tp_size > 1 needs engine megakernel"),
+    ({"throughput": {"device": "cuda", "tp_size": 2}}, "throughput.tp_size > 1 needs engine sglang"),
     ({"routing": {"latency_wait_seconds": -1}}, "latency_wait_seconds"),
     ({"model": {"dtype": "float16"}, "latency": {"device": "cuda"}}, "runs bfloat16 weights, not model.dtype float16"),
     ({"unknown_section": {}}, "unknown_section"),
