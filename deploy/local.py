@@ -26,6 +26,12 @@ STATUS_POLL_SECONDS = 0.5
 MULTIPROC_FILES = "*.db"  # prometheus_client's multiprocess files: {kind}_{pid}.db
 
 
+# What `megaserve up` applies of a Serve config; anything else is refused rather than silently
+# dropped (`serve run FILE` and `serve deploy FILE` apply the whole file).
+APPLIED_CONFIG_KEYS = frozenset({"applications", "http_options", "proxy_location"})
+APPLIED_APPLICATION_KEYS = frozenset({"name", "route_prefix", "import_path", "args"})
+
+
 def load_serve_config(path: str | None) -> dict[str, Any]:
     """The Serve config as a dict: the file at `path`, or the packaged local.yaml."""
     if path is None:
@@ -39,6 +45,11 @@ def load_serve_config(path: str | None) -> dict[str, Any]:
     for app in config["applications"]:
         if not isinstance(app, dict) or not isinstance(app.get("import_path"), str):
             raise ValueError(f"{name}: every application needs an `import_path` (module:builder)")
+    ignored = sorted(set(config) - APPLIED_CONFIG_KEYS) + sorted(
+        {f"applications[].{key}" for app in config["applications"] for key in set(app) - APPLIED_APPLICATION_KEYS})
+    if ignored:
+        raise ValueError(f"{name}: megaserve up does not apply {', '.join(ignored)}; run the file with "
+                         "`serve run` or `serve deploy`, which do")
     return config
 
 
@@ -97,7 +108,7 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _say("starting Serve")
     try:
-        serve.start(http_options=http)
+        serve.start(http_options=http, proxy_location=config.get("proxy_location"))
         failures: list[BaseException] = []
 
         def deploy_all() -> None:  # serve.run waits for RUNNING; progress is printed meanwhile

@@ -23,7 +23,12 @@ def _up(config_path) -> subprocess.CompletedProcess:
     (yaml.safe_dump({"applications": [{"name": "x"}]}), "every application needs an `import_path`"),
     (yaml.safe_dump({"applications": [{"import_path": BUILDER, "args": {"latency": {"tp_size": 0}}}]}),
      "latency.tp_size\n  Input should be greater than or equal to 1"),
-], ids=["missing-file", "bad-yaml", "no-applications", "no-import-path", "invalid-app-config"])
+    (yaml.safe_dump({"applications": [{"import_path": BUILDER, "runtime_env": {"pip": ["x"]},
+                                       "deployments": [{"name": "RouterDeployment"}]}],
+                     "logging_config": {"encoding": "JSON"}}),
+     "megaserve up does not apply logging_config, applications[].deployments, applications[].runtime_env; "
+     "run the file with `serve run`"),
+], ids=["missing-file", "bad-yaml", "no-applications", "no-import-path", "invalid-app-config", "not-applied"])
 def test_a_bad_config_is_one_message_and_exit_code_2(tmp_path, config, message):
     path = tmp_path / "serve.yaml"
     if config is not None:
