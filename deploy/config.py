@@ -205,7 +205,11 @@ class Routing(_Strict):
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="Larger request bodies get 413."
     )
-    router_replicas: int = Field(1, ge=1, description="Router (HTTP ingress) replicas.")
+    router_replicas: int = Field(
+        1, ge=1, description="Router (HTTP ingress) replicas. Each admits its share of every tier's "
+        "capacity, rounded up (so that each can use every tier): with more routers than latency "
+        "replicas, a batch-1 replica may get a second request, which then waits behind the first.",
+    )
 
 
 class Metrics(_Strict):
