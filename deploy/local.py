@@ -23,6 +23,7 @@ from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
 
 STATUS_POLL_SECONDS = 0.5
+RUNNING, DEPLOY_FAILED = "RUNNING", "DEPLOY_FAILED"  # Serve's ApplicationStatus values
 MULTIPROC_FILES = "*.db"  # prometheus_client's multiprocess files: {kind}_{pid}.db
 
 
@@ -71,6 +72,12 @@ def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
             _say(f"demo model at {ensure_demo_model(env.home)}")
 
 
+def _builder(app: dict[str, Any]):
+    """The application builder an `import_path` (module:attribute) names."""
+    module, _, attr = app["import_path"].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def _deployment_progress(status) -> str:
     parts = []
     for app_name, app in status.applications.items():
@@ -109,20 +116,15 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     _say("starting Serve")
     try:
         serve.start(http_options=http, proxy_location=config.get("proxy_location"))
-        failures: list[BaseException] = []
-
-        def deploy_all() -> None:  # serve.run waits for RUNNING; progress is printed meanwhile
-            try:
-                for app, app_config in zip(applications, app_configs):
-                    module, _, attr = app["import_path"].partition(":")
-                    builder = getattr(importlib.import_module(module), attr)
-                    serve.run(builder(app_config), name=app.get("name", "default"),
-                              route_prefix=app.get("route_prefix", "/"))
-            except BaseException as error:  # reported by the main thread
-                failures.append(error)
-
-        deployer = threading.Thread(target=deploy_all, daemon=True)
-        deployer.start()
+        names = [app.get("name", "default") for app in applications]
+        try:  # submitted, not awaited: this thread watches them come up and can stop at once
+            serve.run_many([serve.RunTarget(target=_builder(app)(app_config), name=name,
+                                            route_prefix=app.get("route_prefix", "/"))
+                            for app, app_config, name in zip(applications, app_configs, names)],
+                           wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        except Exception as error:  # noqa: BLE001 - a builder or Serve refused the app: say so, exit 1
+            _say(f"deploying failed: {error}")
+            return 1
         last = ""
         while True:
             if stop.is_set():  # SIGTERM while deploying: stop now, not once the app is ready
@@ -133,13 +135,10 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
             if progress != last:
                 _say(progress)
                 last = progress
-            if failures:
-                _say(f"deploying failed: {failures[0]}")
-                return 1
-            if not deployer.is_alive():
+            states = [status.applications[n].status.value if n in status.applications else "" for n in names]
+            if all(state == RUNNING for state in states):
                 break
-            states = {a.status.value for a in status.applications.values()}
-            if "DEPLOY_FAILED" in states or time.monotonic() - started > timeout:
+            if DEPLOY_FAILED in states or time.monotonic() - started > timeout:
                 _say("the app did not start; see the messages above and Ray's logs")
                 return 1
             time.sleep(STATUS_POLL_SECONDS)
