@@ -36,7 +36,7 @@ def _chat(tier: str, **kwargs):
 @pytest.mark.parametrize("service_tier, tier", [("priority", "latency"), ("default", "throughput")])
 def test_streamed_chat_completion_from_each_tier_echoes_the_tier(client, service_tier, tier):
     raw = client.chat.completions.with_raw_response.create(
-        **_chat(service_tier, max_tokens=12, stream=True, stream_options={"include_usage": True})
+        **_chat(service_tier, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
     )
     assert raw.headers["x-megaserve-tier"] == tier
     chunks = list(raw.parse())
@@ -46,7 +46,9 @@ def test_streamed_chat_completion_from_each_tier_echoes_the_tier(client, service
     assert finish and finish[-1] in ("stop", "length")
     assert usage.completion_tokens >= 1 and usage.prompt_tokens > 0
     assert {c.service_tier for c in chunks} == {service_tier}
-    assert isinstance(text, str)
+    whole = client.chat.completions.create(**_chat(service_tier, max_tokens=12, temperature=0))
+    assert text == whole.choices[0].message.content  # the chunks add up to the greedy answer
+    assert usage.completion_tokens == whole.usage.completion_tokens
 
 
 @pytest.mark.parametrize("service_tier, tier", [("priority", "latency"), ("flex", "throughput")])
@@ -113,6 +115,18 @@ async def test_saturated_tiers_answer_429_with_retry_after(live_stack):
     assert refused.json()["error"]["type"]
 
 
+SLOT_FREED_SECONDS = 10.0  # how long the router may take to give a departed client's slot back
+
+
+async def _wait_for_free_latency_slots(base_url: str) -> None:
+    """Until the router holds no latency slot (polled: a fixed sleep is too short on a loaded machine)."""
+    deadline = time.monotonic() + SLOT_FREED_SECONDS
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
+        while (await http.get("/health")).json()["tiers"]["latency"]["in_flight"] != 0:
+            assert time.monotonic() < deadline, "the latency slot was not given back"
+            await asyncio.sleep(0.05)
+
+
 async def test_client_disconnect_frees_the_latency_replica(aclient, live_stack):
     async with httpx.AsyncClient(base_url=live_stack.base_url, timeout=120) as http:
         body = {"model": MODEL, "prompt": "x", "stream": True, "service_tier": "priority",
@@ -124,7 +138,7 @@ async def test_client_disconnect_frees_the_latency_replica(aclient, live_stack):
                     break
         # The stream is closed: the replica must stop decoding at once, so a new priority
         # request is served by the latency tier instead of spilling over.
-        time.sleep(0.5)
+        await _wait_for_free_latency_slots(live_stack.base_url)
         raw = await aclient.completions.with_raw_response.create(
             model=MODEL, prompt="y", max_tokens=2, extra_body={"service_tier": "priority"})
         assert raw.headers["x-megaserve-tier"] == "latency"
@@ -138,7 +152,7 @@ async def test_client_leaving_a_non_streamed_request_frees_the_latency_slot(acli
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000,
                                                      "service_tier": "priority", "ignore_eos": True})
-    await asyncio.sleep(0.5)
+    await _wait_for_free_latency_slots(live_stack.base_url)
     raw = await aclient.completions.with_raw_response.create(
         model=MODEL, prompt="y", max_tokens=2, extra_body={"service_tier": "priority"})
     assert raw.headers["x-megaserve-tier"] == "latency"

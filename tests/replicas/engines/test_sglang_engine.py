@@ -305,7 +305,7 @@ async def test_a_busy_sglang_is_healthy_while_other_requests_get_tokens(make_sgl
     started = time.monotonic()
     health = await engine.health()
     assert health.healthy and health.running_requests == 1
-    assert time.monotonic() - started < 1.0  # seen from the running request, not waited out
+    assert time.monotonic() - started < 5.0  # seen from the running request, not the 10 s timeout waited out
     await stream.aclose()
 
 

@@ -29,7 +29,7 @@ async def test_pending_tokens_leave_on_the_timer_without_a_new_chunk():
     item = await anext(outputs)  # nothing else arrives: the deadline releases 2 and 3
     waited = time.monotonic() - start
     assert item.token_ids == [2, 3] and item.finish_reason is None
-    assert 0.03 < waited < 0.5
+    assert 0.03 < waited < 2.0  # the 0.05 s timer, not at once; the slack is for a loaded machine
     stream.put(Chunk([], [], FinishReason.STOP))
     last = await anext(outputs)
     assert last.token_ids == [] and last.finish_reason == FinishReason.STOP
