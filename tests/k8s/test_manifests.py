@@ -63,7 +63,22 @@ def _crd_schemas() -> dict[tuple[str, str], dict]:
 def _validator(schema: dict) -> jsonschema.Validator:
     # OpenAPI v3 schemas are JSON Schema draft 4-7 in spirit; their `pattern`s are Go regexes,
     # which Python's `re` only compiles when a field using one is present.
-    return jsonschema.Draft7Validator(schema)
+    return jsonschema.Draft7Validator(_refusing_unknown_fields(schema))
+
+
+def _refusing_unknown_fields(schema):
+    """`schema` with unknown fields refused wherever it lists an object's properties, as the API
+    server's strict field validation (kubectl's default) does; a CRD says so only implicitly, and
+    left as it is, jsonschema would accept a misspelled field."""
+    if isinstance(schema, list):
+        return [_refusing_unknown_fields(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    strict = {key: _refusing_unknown_fields(value) for key, value in schema.items()}
+    if ("properties" in strict and "additionalProperties" not in strict
+            and not strict.get("x-kubernetes-preserve-unknown-fields")):
+        strict["additionalProperties"] = False
+    return strict
 
 
 def _app_config() -> tuple[dict, AppConfig]:
@@ -125,6 +140,17 @@ def test_a_broken_manifest_is_caught():
     broken = {**rayservice, "spec": {**rayservice["spec"], "serveConfigV2": {"not": "a string"}}}
     with pytest.raises(jsonschema.ValidationError):
         _validator(schemas[("ray.io/v1", "RayService")]).validate(broken)
+
+
+@pytest.mark.parametrize(("kind", "misspell"), [
+    ("RayService", lambda spec: {**spec, "rayClusterConfig": {**spec["rayClusterConfig"], "workerGroupSpec": []}}),
+    ("PodMonitor", lambda spec: {**spec, "podMetricsEndpoint": spec["podMetricsEndpoints"]}),
+])
+def test_a_misspelled_field_is_caught(kind, misspell):
+    doc = _one(kind)
+    schema = _crd_schemas()[(doc["apiVersion"], kind)]
+    with pytest.raises(jsonschema.ValidationError, match="Additional properties are not allowed"):
+        _validator(schema).validate({**doc, "spec": misspell(doc["spec"])})
 
 
 def test_serve_config_is_deploy_gb300_yaml_and_parses_with_both_schemas():
