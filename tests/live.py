@@ -5,6 +5,7 @@ model, and a real Prometheus scraping it. Started once per test session, on loop
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import time
@@ -16,6 +17,14 @@ from megaserve.monitoring.promql import METRICS_JOB, RAY_JOB
 from tests.prometheus_server import Prometheus, free_port, running
 
 STARTUP_TIMEOUT_SECONDS = 240
+
+
+def tiers_are_healthy(base_url: str, tiers: list[str]) -> bool:
+    """Whether the router's /health says every one of `tiers` has a healthy replica: a 200 alone
+    means one of them has, and a priority request sent then may spill over to throughput."""
+    with urllib.request.urlopen(base_url + "/health", timeout=5) as response:
+        health = json.load(response)["tiers"]
+    return all(health[tier]["healthy"] for tier in tiers)
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
@@ -68,8 +77,8 @@ def start_stack(app_args: dict, home: Path) -> LiveStack:
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     serve.run(build_app(config), name="megaserve", route_prefix="/")
     base_url = f"http://127.0.0.1:{http_port}"
-    wait_until(lambda: urllib.request.urlopen(base_url + "/health", timeout=5).status == 200,
-               STARTUP_TIMEOUT_SECONDS, "the router's /health")
+    enabled = [name for name in ("latency", "throughput") if getattr(config, name).enabled]
+    wait_until(lambda: tiers_are_healthy(base_url, enabled), STARTUP_TIMEOUT_SECONDS, "every tier's /health")
     # The job names the dashboards, the alert rules and k8s/podmonitor.yaml use.
     cleanup = contextlib.ExitStack()
     prometheus = cleanup.enter_context(running(

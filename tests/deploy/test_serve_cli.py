@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from megaserve.deploy.local import load_serve_config
-from tests.live import free_port, wait_until
+from tests.live import free_port, tiers_are_healthy, wait_until
 
 pytestmark = pytest.mark.integration
 STARTUP_SECONDS = 240
@@ -35,8 +35,8 @@ def _config_file(tmp_path: Path) -> tuple[Path, int]:
 
 
 def _ask(port: int) -> str:
-    wait_until(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200,
-               STARTUP_SECONDS, "the app's /health", interval=1.0)
+    wait_until(lambda: tiers_are_healthy(f"http://127.0.0.1:{port}", ["latency", "throughput"]),
+               STARTUP_SECONDS, "both tiers' /health", interval=1.0)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
         model="megaserve-demo", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
