@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from cuda.core import Device, LaunchConfig, launch
 
-from .build import KernelCache, arch_for
+from .build import CompiledKernel, KernelCache, arch_for
 from .shape import THREADS, WARP_SIZE
 
 DEFAULT_ROUNDS = 2000
@@ -40,70 +41,56 @@ class CodeRound:
     seconds: float
 
 
-def _cuda_device(device: torch.device) -> Device:
-    cuda_device = Device(device.index if device.index is not None else torch.cuda.current_device())
-    cuda_device.set_current()
-    return cuda_device
-
-
 class _Probe:
-    """Launches of one probe kernel on `device`'s whole grid, timed with CUDA events."""
+    """One probe kernel (compiled by `build(arch)` for `device`) on the device's whole grid: its
+    rounds timed with CUDA events, less a launch of none, and its barrier counter checked."""
 
-    def __init__(self, compiled, device: torch.device, threads: int = THREADS) -> None:
-        self.cuda_device = _cuda_device(device)
-        self.kernel = compiled.object_code().get_kernel(compiled.name_expression)
+    def __init__(self, build: Callable[[str], CompiledKernel], device: torch.device, threads: int = THREADS) -> None:
+        self.cuda_device = Device(device.index if device.index is not None else torch.cuda.current_device())
+        self.cuda_device.set_current()
+        self.compiled = build(arch_for(self.cuda_device.compute_capability))
+        self.kernel = self.compiled.object_code().get_kernel(self.compiled.name_expression)
         self.grid = self.cuda_device.properties.multiprocessor_count
         self.config = LaunchConfig(grid=self.grid, block=threads, is_cooperative=True)
         self.stream = self.cuda_device.create_stream(torch.cuda.current_stream(device))
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # uint32 in the kernel; 8 bytes keep it aligned
 
-    def seconds(self, *args) -> float:
+    def seconds_per_round(self, rounds: int, *extra_args) -> float:
+        """Seconds of one of `rounds` rounds; the kernel takes (counter, rounds, *extra_args)."""
+        if rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {rounds}")
+        self._seconds(rounds, extra_args)  # warm-up: module load, first launch
+        per_round = (self._seconds(rounds, extra_args) - self._seconds(0, extra_args)) / rounds
+        if int(self.counter.item()) % PHASE_BIT != 0:
+            raise RuntimeError(f"the barrier counter ended at {int(self.counter.item()):#x}: a CTA missed a barrier")
+        return per_round
+
+    def _seconds(self, rounds: int, extra_args: tuple) -> float:
         samples = []
         for _ in range(REPEATS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            launch(self.stream, self.config, self.kernel, *args)
+            launch(self.stream, self.config, self.kernel, self.counter.data_ptr(), np.int32(rounds), *extra_args)
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) * 1e-3)
         return statistics.median(samples)
 
 
-def _check_counter(counter: torch.Tensor) -> None:
-    if int(counter.item()) % PHASE_BIT != 0:
-        raise RuntimeError(f"the barrier counter ended at {int(counter.item()):#x}: a CTA missed a barrier")
-
-
-def _check_rounds(rounds: int) -> None:
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
-
-
 def time_grid_barrier(kernel_cache: KernelCache, device: torch.device, rounds: int = DEFAULT_ROUNDS) -> float:
     """Seconds per grid barrier on `device`."""
-    _check_rounds(rounds)
-    probe = _Probe(kernel_cache.barrier_probe(arch_for(_cuda_device(device).compute_capability)), device)
-    counter = torch.zeros(1, dtype=torch.int64, device=device)  # uint32 in the kernel; 8 bytes keep it aligned
-    probe.seconds(counter.data_ptr(), np.int32(rounds))  # warm-up: module load, first launch
-    per_barrier = probe.seconds(counter.data_ptr(), np.int32(rounds)) - probe.seconds(counter.data_ptr(), np.int32(0))
-    _check_counter(counter)
-    return per_barrier / rounds
+    return _Probe(kernel_cache.barrier_probe, device).seconds_per_round(rounds)
 
 
 def time_barrier_after_code(kernel_cache: KernelCache, device: torch.device, steps: int, threads: int = THREADS,
                             rounds: int = CODE_ROUNDS) -> CodeRound:
     """One round of a grid barrier and `steps` steps of straight-line code, on CTAs of `threads`."""
-    _check_rounds(rounds)
     if threads % WARP_SIZE or not 0 < threads <= THREADS:
         raise ValueError(f"threads must be a multiple of {WARP_SIZE} up to {THREADS}, got {threads}")
-    compiled = kernel_cache.code_probe(arch_for(_cuda_device(device).compute_capability), steps)
-    probe = _Probe(compiled, device, threads)
-    counter = torch.zeros(1, dtype=torch.int64, device=device)
+    probe = _Probe(lambda arch: kernel_cache.code_probe(arch, steps), device, threads)
     sink = torch.empty(probe.grid * threads, dtype=torch.int32, device=device)
-    args = (counter.data_ptr(), sink.data_ptr())
-    probe.seconds(args[0], np.int32(rounds), args[1])
-    per_round = probe.seconds(args[0], np.int32(rounds), args[1]) - probe.seconds(args[0], np.int32(0), args[1])
-    _check_counter(counter)
-    return CodeRound(steps, compiled.code_bytes, threads, per_round / rounds)
+    seconds = probe.seconds_per_round(rounds, sink.data_ptr())
+    return CodeRound(steps, probe.compiled.code_bytes, threads, seconds)
 
 
 def main() -> int:
