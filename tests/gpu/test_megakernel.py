@@ -13,9 +13,14 @@ RoPE) moves logits by O(1). Against transformers (bf16, its own rounding points)
 Greedy decoding (256 tokens; the bf16 and float32 references teacher-forced with the kernel's
 tokens): where kernel and bf16 reference disagree, the reference's gap between its choice and the
 kernel's must be within TIE_NOISE_FACTOR x the largest logit difference between them at that step
-(a near tie that bf16 noise decides). And the kernel must disagree with the float32 oracle no more
+(a near tie that bf16 noise decides: tests/gpu/reference.py). And the kernel must disagree with the float32 oracle no more
 often than the bf16 reference does (x NOISE_FACTOR, + TIE_SLACK): on the 3-layer Llama 3.1 shape
 both pick another token than float32 at ~5% of steps, whereas a real bug disagrees at most steps.
+The kernel is not bit-reproducible: its down projection adds fp32 shares atomically in arrival
+order, so a hidden value may round to the other bf16 neighbour from one launch to the next. Replays
+of one step (and a timing build against a plain one) must agree within NOISE_FLOOR, far below what
+the kernel may differ from float32, and choose the same token but at a near tie; a race that read a
+stale vector would move logits by O(1).
 """
 
 from __future__ import annotations
@@ -23,47 +28,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaserve.kernels.launcher import DecodeStep, store_down_transposed
+from megaserve.kernels.launcher import DecodeStep
 from megaserve.replicas.models import load_model
+from tests.gpu.reference import DEVICE, kernel_step, megakernel_model, prefill, reference_step, tie_gap
 
 NOISE_FACTOR = 2.0
 NOISE_FLOOR = 5e-3
 MAX_RTOL = 0.3
 HF_RTOL = 5e-2
 GREEDY_TOKENS = 256
-TIE_NOISE_FACTOR = 2.0
 TIE_SLACK = 4
-DEVICE = "cuda"
+REPLAYS = 32
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def prefill(model, cache, prompt: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt], device=DEVICE)
-    positions = torch.arange(len(prompt), device=DEVICE)[None]
-    return model.forward(ids, positions, cache, torch.zeros(1, dtype=torch.long, device=DEVICE), last_only=True)[0]
-
-
-def reference_step(model, cache, token: int, pos: int) -> torch.Tensor:
-    ids = torch.tensor([[token]], device=DEVICE)
-    positions = torch.tensor([[pos]], device=DEVICE)
-    return model.forward(ids, positions, cache, torch.zeros(1, dtype=torch.long, device=DEVICE))[0, 0]
-
-
-def megakernel_model(model_dir):
-    """The bf16 model with w_down in the kernel's layout (the reference forward reads it too)."""
-    model = load_model(model_dir, DEVICE, torch.bfloat16)
-    store_down_transposed(model)
-    return model
-
-
-def kernel_step(step: DecodeStep, token: int, pos: int) -> torch.Tensor:
-    step.set_position(token, pos)
-    step.launch()
-    torch.cuda.synchronize()
-    return step.logits.clone()
 
 
 @pytest.mark.parametrize("prompt_len", [0, 1, 37, 1000, 8200])
@@ -147,14 +126,31 @@ def test_greedy_tokens_agree_with_reference(tiny_model_dir, kernel_cache):
         assert chosen == int(kernel_logits[index].argmax())
         best = int(ref.argmax())
         if chosen != best:
-            gap = (ref[best] - ref[chosen]).item()
-            noise = (kernel_logits[index] - ref).abs().max().item()
-            assert gap <= TIE_NOISE_FACTOR * noise, f"token {index}: {chosen} vs {best}, gap {gap}, noise {noise}"
+            gap, allowed = tie_gap(ref, kernel_logits[index], chosen)
+            assert gap <= allowed, f"token {index}: {chosen} vs {best}, gap {gap}, allowed {allowed}"
         oracle = int(ref32.argmax())
         kernel_misses += chosen != oracle
         reference_misses += best != oracle
         token = chosen
     assert kernel_misses <= NOISE_FACTOR * reference_misses + TIE_SLACK, (kernel_misses, reference_misses)
+
+
+def test_replays_differ_by_rounding_only(tiny_model_dir, kernel_cache):
+    model = megakernel_model(tiny_model_dir)
+    prompt = torch.randint(0, model.config.vocab_size, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref_cache, mk_cache = model.new_cache(1, len(prompt) + 1), model.new_cache(1, len(prompt) + 1)
+    token = int(prefill(model, ref_cache, prompt).argmax())
+    prefill(model, mk_cache, prompt)
+    ref = reference_step(model, ref_cache, token, len(prompt))
+    step = DecodeStep(model, mk_cache, 0, kernel_cache)
+    replays = [kernel_step(step, token, len(prompt)) for _ in range(REPLAYS)]  # each rewrites the same KV row
+    first = replays[0]
+    for index, out in enumerate(replays[1:], start=1):
+        assert relative_error(out, first) <= NOISE_FLOOR, (index, relative_error(out, first))
+        chosen = int(out.argmax())
+        if chosen != int(first.argmax()):
+            gap, allowed = tie_gap(first, ref, chosen)
+            assert gap <= allowed, (index, chosen, gap, allowed)
 
 
 def test_stage_timestamps(tiny_model_dir, kernel_cache):
@@ -164,7 +160,7 @@ def test_stage_timestamps(tiny_model_dir, kernel_cache):
     plain = DecodeStep(model, model.new_cache(1, 64), 0, kernel_cache)
     ref = kernel_step(plain, 5, 0)
     out = kernel_step(step, 5, 0)
-    assert torch.equal(out, ref)  # the timer changes nothing computed
+    assert relative_error(out, ref) <= NOISE_FLOOR  # the timer changes nothing but the summation order
     times = step.stage_times()  # raises if a CTA left an arrival unwritten
     assert all(seconds > 0 for seconds in times.seconds.values()), times
     assert times.total < 0.1
