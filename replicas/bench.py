@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--kernel-cache", type=Path, required=True, help="folder for compiled kernels")
-    parser.add_argument("--out", type=Path, default=Path("bench.json"), help="where to write the JSON results")
+    parser.add_argument("--out", type=Path, default=Path("bench.json"), help="where to write the JSON results (rewritten after each model)")
     parser.add_argument("--kernel-sources", nargs="+", default=[], metavar="NAME=DIR",
                         help="edited copies of the kernel sources, each timed beside the package's own as "
                              f"method {MEGAKERNEL}:NAME")
@@ -389,20 +389,25 @@ def main(argv: list[str] | None = None) -> int:
     log(f"read bandwidth {bandwidth / 1e9:,.0f} GB/s, grid barrier {barrier_seconds * 1e6:.2f} µs "
         f"on {torch.cuda.get_device_name(device)}")
     results = []
-    for name in args.models:
+
+    def write_report(finished: bool) -> None:
+        report = {
+            "device": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+            "read_bandwidth_bytes_per_second": bandwidth,
+            "grid_barrier_seconds": barrier_seconds,
+            "kernel_sources": {method: str(cache.source_dir) for method, cache in args.kernel_caches.items()},
+            "seconds": time.time() - started,
+            "finished": finished,  # False: a run cut short, its models so far
+            "results": [asdict(r) for r in results],
+        }
+        args.out.write_text(json.dumps(report, indent=2))
+
+    for index, name in enumerate(args.models, start=1):
         results += bench_model(name, tuple(args.contexts), tuple(args.methods), args.kernel_caches, args.rounds,
                                bandwidth, log)
+        write_report(finished=index == len(args.models))
         torch.cuda.empty_cache()
-    report = {
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "read_bandwidth_bytes_per_second": bandwidth,
-        "grid_barrier_seconds": barrier_seconds,
-        "kernel_sources": {method: str(cache.source_dir) for method, cache in args.kernel_caches.items()},
-        "seconds": time.time() - started,
-        "results": [asdict(r) for r in results],
-    }
-    args.out.write_text(json.dumps(report, indent=2))
     print(format_table(results, bandwidth, barrier_seconds))
     return 0
 

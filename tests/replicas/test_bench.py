@@ -3,6 +3,7 @@ docs/perf.md holds those runs)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -170,3 +171,26 @@ def test_the_builds_are_timed_in_turn_every_round(tmp_path, monkeypatch):
     assert measured["megakernel:copy"][2]["round_ms"] == pytest.approx([2.4, 2.8, 3.2])
     assert launches == 1 and extra["stage_ms"] == {"qkv": 1.0} and extra["timing_cost_ms"] == pytest.approx(
         3e-3 * 1.7 * 1e3 - 1.3)
+
+
+def test_the_report_is_written_after_each_model_so_a_run_cut_short_keeps_them(tmp_path, monkeypatch):
+    def bench_model(name, contexts, methods, caches, rounds, bandwidth, log):
+        if name == "Qwen3-8B":
+            raise KeyboardInterrupt  # the run is stopped while the last model is timed
+        return [Result(name, 1024, MEGAKERNEL, 1.0, 1000.0, 1, 0.9)]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "test GPU")
+    monkeypatch.setattr(bench, "read_bandwidth", lambda device: 4e12)
+    monkeypatch.setattr(bench, "time_grid_barrier", lambda cache, device: 1e-6)
+    monkeypatch.setattr(bench, "bench_model", bench_model)
+    out = tmp_path / "bench.json"
+    argv = ["--kernel-cache", str(tmp_path / "cache"), "--out", str(out), "--models", "Llama-3.2-1B", "Llama-3.1-8B"]
+
+    assert bench.main(argv) == 0
+    assert json.loads(out.read_text())["finished"] is True
+    with pytest.raises(KeyboardInterrupt):
+        bench.main([*argv, "Qwen3-8B"])
+    report = json.loads(out.read_text())
+    assert report["finished"] is False
+    assert [r["model"] for r in report["results"]] == ["Llama-3.2-1B", "Llama-3.1-8B"]
