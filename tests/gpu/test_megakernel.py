@@ -39,6 +39,8 @@ HF_RTOL = 5e-2
 GREEDY_TOKENS = 256
 TIE_SLACK = 4
 REPLAYS = 32
+PAST_ROWS = 64  # cache rows past the step's position, refilled
+PAST_ROWS_STD = 4.0  # far from the rows before the position (std 1): a read of them would show
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -151,6 +153,24 @@ def test_replays_differ_by_rounding_only(tiny_model_dir, kernel_cache):
         if chosen != int(first.argmax()):
             gap, allowed = tie_gap(first, ref, chosen)
             assert gap <= allowed, (index, chosen, gap, allowed)
+
+
+@pytest.mark.parametrize("pos", [7, 31, 1000])
+def test_a_step_reads_nothing_but_its_input_and_the_rows_up_to_its_position(tiny_model_dir, kernel_cache, pos):
+    """What an unrelated step left in the kernel's buffers, and cache rows past `pos`, leave the step
+    at `pos` as it was (within NOISE_FLOOR; a stale vector or a key read past the position would
+    move logits by O(1))."""
+    model = megakernel_model(tiny_model_dir)
+    cache = model.new_cache(1, pos + PAST_ROWS)
+    for tensor in (*cache.k, *cache.v):
+        tensor.normal_()  # rows [0, pos) stand for a prefilled prompt
+    step = DecodeStep(model, cache, 0, kernel_cache)
+    token = 11
+    before = kernel_step(step, token, pos)
+    kernel_step(step, token + 1, pos + PAST_ROWS - 1)  # writes its own row and every buffer
+    for tensor in (*cache.k, *cache.v):
+        tensor[0, :, pos + 1 :].normal_(0.0, PAST_ROWS_STD)
+    assert relative_error(kernel_step(step, token, pos), before) <= NOISE_FLOOR
 
 
 def test_stage_timestamps(tiny_model_dir, kernel_cache):
