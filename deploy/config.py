@@ -7,9 +7,10 @@ validators so that a bad config fails before anything starts, with a message nam
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from megaserve.replicas.engines.sglang_engine import OWNED_ARGS as SGLANG_OWNED_ARGS
 from megaserve.replicas.protocol import CoalescePolicy
@@ -29,6 +30,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _absolute(path: str) -> str:
+    # Replicas and the metrics exporter run in Ray's working directories on every node, not the one
+    # the config was written in, and nothing expands `~` there.
+    if not os.path.isabs(path):
+        raise ValueError(f"must be an absolute path (every node reads it from its own working directory), "
+                         f"got {path!r}")
+    return path
+
+
+AbsolutePath = Annotated[str, AfterValidator(_absolute)]
+
+
 MEGAKERNEL_DTYPES = ("auto", "bfloat16")  # the kernel is written for bf16; auto loads bf16 there
 
 
@@ -37,10 +50,10 @@ class ModelSpec(_Strict):
         DEMO_MODEL_NAME, min_length=1,
         description="Model name served on /v1/models and matched against the request's `model`.",
     )
-    path: str | None = Field(
+    path: AbsolutePath | None = Field(
         None,
-        description="Hugging Face-format model directory (config.json, safetensors, tokenizer.json) "
-        "readable on every node. None serves the embedded demo model, created on first use.",
+        description="Hugging Face-format model directory (config.json, safetensors, tokenizer.json), "
+        "an absolute path readable on every node. None serves the embedded demo model, created on first use.",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weight and activation dtype; `auto` takes the config's torch_dtype "
@@ -217,7 +230,7 @@ class Metrics(_Strict):
         9400, ge=1, le=65535, description="Per-node metrics endpoint (served by one megaserve "
         "process per node, summing every process' metrics).",
     )
-    multiproc_dir: str = Field(
+    multiproc_dir: AbsolutePath = Field(
         "/tmp/megaserve-metrics", description="Node-local folder where every megaserve process "
         "writes its metrics (PROMETHEUS_MULTIPROC_DIR).",
     )

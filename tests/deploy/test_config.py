@@ -51,6 +51,10 @@ def test_every_field_has_a_description():
     ({"routing": {"latency_wait_seconds": -1}}, "latency_wait_seconds"),
     ({"model": {"dtype": "float16"}, "latency": {"device": "cuda"}}, "runs bfloat16 weights, not model.dtype float16"),
     ({"unknown_section": {}}, "unknown_section"),
+    ({"model": {"path": ""}}, "model.path\n.*must be an absolute path"),
+    ({"model": {"path": "models/llama"}}, "model.path\n.*must be an absolute path"),
+    ({"metrics": {"multiproc_dir": ""}}, "metrics.multiproc_dir\n.*must be an absolute path"),
+    ({"metrics": {"multiproc_dir": "~/metrics"}}, "metrics.multiproc_dir\n.*must be an absolute path"),
 ])
 def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
     with pytest.raises(ValidationError, match=message):
