@@ -13,6 +13,33 @@ import sys
 from megaserve.deploy.env import Environment
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+MAX_PORT = 65535
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is a number, got {text!r}") from None
+    if not 1 <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"a port is 1-{MAX_PORT}, got {port}")
+    return port
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds are a number, got {text!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return seconds
+
+
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,9 +48,9 @@ def _parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start a local Ray cluster and serve the app until Ctrl-C")
     up.add_argument("config", nargs="?", help="Serve config YAML (default: the embedded CPU demo)")
-    up.add_argument("--host", help="override http_options.host")
-    up.add_argument("--port", type=int, help="override http_options.port")
-    up.add_argument("--timeout", type=float, default=600.0,
+    up.add_argument("--host", type=_host, help="override http_options.host")
+    up.add_argument("--port", type=_port, help="override http_options.port")
+    up.add_argument("--timeout", type=_positive_seconds, default=600.0,
                     help="seconds to wait for every replica to become healthy")
 
     gen = commands.add_parser("generate", help="generate from one prompt and stream the tokens")

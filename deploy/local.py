@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
@@ -51,7 +52,34 @@ def load_serve_config(path: str | None) -> dict[str, Any]:
     if ignored:
         raise ValueError(f"{name}: megaserve up does not apply {', '.join(ignored)}; run the file with "
                          "`serve run` or `serve deploy`, which do")
+    from ray.serve.schema import ServeDeploySchema  # pydantic, no cluster: what `serve deploy` checks
+
+    try:
+        ServeDeploySchema.model_validate(config)
+    except ValidationError as error:
+        raise ValueError(f"{name}: {describe(error)}") from None
     return config
+
+
+def describe(error: ValidationError) -> str:
+    """A pydantic error on one line: each problem as `field.path: message`."""
+    problems = []
+    for problem in error.errors():
+        where = ".".join(str(part) for part in problem["loc"])
+        message = problem["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}" if where else message)
+    return "; ".join(problems)
+
+
+def app_configs_of(config: dict[str, Any], name: str) -> list[AppConfig]:
+    """Each application's `args` as an AppConfig; a bad one is refused naming the file and the app."""
+    configs = []
+    for app in config["applications"]:
+        try:
+            configs.append(AppConfig.model_validate(app.get("args") or {}))
+        except ValidationError as error:
+            raise ValueError(f"{name}: application {app.get('name', 'default')!r}: {describe(error)}") from None
+    return configs
 
 
 def _say(message: str) -> None:
@@ -93,14 +121,17 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     try:  # a bad config is reported before Ray starts, in one message
         config = load_serve_config(config_path)
         applications = config["applications"]
-        app_configs = [AppConfig.model_validate(app.get("args") or {}) for app in applications]
-    except (OSError, ValueError, yaml.YAMLError) as error:  # pydantic's ValidationError is a ValueError
+        app_configs = app_configs_of(config, config_path or "local.yaml")
+        http = dict(config.get("http_options") or {})
+        http["host"] = host if host is not None else http.get("host", "127.0.0.1")
+        http["port"] = port if port is not None else http.get("port", 8000)
+        for app_config in app_configs:
+            if app_config.metrics.port == http["port"]:
+                raise ValueError(f"metrics.port {app_config.metrics.port} is the HTTP port too; give it another")
+        _prepare_node(app_configs, env)
+    except (OSError, ValueError, yaml.YAMLError) as error:
         print(f"megaserve up: {error}", file=sys.stderr)
         return 2
-    http = dict(config.get("http_options") or {})
-    http["host"] = host or http.get("host", "127.0.0.1")
-    http["port"] = port or http.get("port", 8000)
-    _prepare_node(app_configs, env)
 
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray

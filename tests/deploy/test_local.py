@@ -1,4 +1,4 @@
-"""`megaserve up` refuses a bad Serve config in one message, before Ray starts."""
+"""`megaserve up` refuses a bad Serve config or argument in one message, before Ray starts."""
 
 from __future__ import annotations
 
@@ -22,13 +22,22 @@ def _up(config_path) -> subprocess.CompletedProcess:
     (yaml.safe_dump({"http_options": {"port": 8000}}), "a Serve config needs an `applications` list"),
     (yaml.safe_dump({"applications": [{"name": "x"}]}), "every application needs an `import_path`"),
     (yaml.safe_dump({"applications": [{"import_path": BUILDER, "args": {"latency": {"tp_size": 0}}}]}),
-     "latency.tp_size\n  Input should be greater than or equal to 1"),
+     "application 'default': latency.tp_size: Input should be greater than or equal to 1"),
+    (yaml.safe_dump({"proxy_location": "Everywhere", "applications": [{"import_path": BUILDER}]}),
+     "proxy_location: Input should be 'Disabled', 'HeadOnly' or 'EveryNode'"),
+    (yaml.safe_dump({"http_options": [8000], "applications": [{"import_path": BUILDER}]}),
+     "http_options: Input should be a valid dictionary"),
+    (yaml.safe_dump({"applications": [{"import_path": BUILDER}, {"import_path": BUILDER}]}),
+     'Found multiple configs for application "default"'),
+    (yaml.safe_dump({"applications": [{"import_path": BUILDER, "args": {"metrics": {"port": 8000}}}]}),
+     "metrics.port 8000 is the HTTP port too"),
     (yaml.safe_dump({"applications": [{"import_path": BUILDER, "runtime_env": {"pip": ["x"]},
                                        "deployments": [{"name": "RouterDeployment"}]}],
                      "logging_config": {"encoding": "JSON"}}),
      "megaserve up does not apply logging_config, applications[].deployments, applications[].runtime_env; "
      "run the file with `serve run`"),
-], ids=["missing-file", "bad-yaml", "no-applications", "no-import-path", "invalid-app-config", "not-applied"])
+], ids=["missing-file", "bad-yaml", "no-applications", "no-import-path", "invalid-app-config", "serve-schema",
+        "http-options-not-a-mapping", "two-default-apps", "metrics-port-is-http-port", "not-applied"])
 def test_a_bad_config_is_one_message_and_exit_code_2(tmp_path, config, message):
     path = tmp_path / "serve.yaml"
     if config is not None:
@@ -37,3 +46,31 @@ def test_a_bad_config_is_one_message_and_exit_code_2(tmp_path, config, message):
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
     assert "starting Ray" not in done.stdout
+
+
+def test_a_metrics_folder_that_cannot_be_made_is_one_message(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"applications": [{"import_path": BUILDER,
+                                                      "args": {"metrics": {"multiproc_dir": str(taken)}}}]}))
+    done = _up(path)
+    assert done.returncode == 2
+    assert "File exists" in done.stderr and "Traceback" not in done.stderr
+    assert "starting Ray" not in done.stdout
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--port", "0"], "argument --port: a port is 1-65535, got 0"),
+    (["--port", "99999"], "argument --port: a port is 1-65535, got 99999"),
+    (["--port", "http"], "argument --port: a port is a number, got 'http'"),
+    (["--host", ""], "argument --host: must not be empty"),
+    (["--timeout", "-5"], "argument --timeout: must be more than 0 seconds, got -5"),
+])
+def test_bad_arguments_are_refused_by_name(argv, message, capsys):
+    from megaserve.deploy.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["up", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
