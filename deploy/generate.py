@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import sys
 import time
@@ -34,6 +35,13 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch sees no CUDA GPU")
+
+
 def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     from megaserve.replicas.engines import create_engine
     from megaserve.replicas.protocol import EngineError, GenerateRequest, SamplingParams
@@ -52,6 +60,8 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
         # Llama-3.1-8B would take 17 GB); the engine caps it at the model's positions.
         settings = ({"device": "cuda", "kernel_cache": str(env.kernel_cache)} if args.engine == "megakernel"
                     else {"device": args.device or _default_device(), "max_batch": 1})
+        if args.engine == "torch":
+            _check_device(settings["device"])
         engine = create_engine(args.engine, model_dir=args.model, max_seq=len(prompt_ids) + sampling.max_tokens,
                                **settings)
     except (OSError, ValueError, RuntimeError) as error:  # no model there, a shape or device it cannot run
@@ -104,7 +114,15 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
         print(f"megaserve generate: {url} answered {error.code}: {error.read().decode()}", file=sys.stderr)
     except urllib.error.URLError as error:
         print(f"megaserve generate: cannot reach {url}: {error.reason}", file=sys.stderr)
+    except (ValueError, http.client.HTTPException, OSError) as error:  # a bad URL, an answer cut short or not JSON
+        print(f"megaserve generate: {url}: {type(error).__name__}: {error}", file=sys.stderr)
+    except ServerAnswerError as error:
+        print(f"megaserve generate: {url}: {error}", file=sys.stderr)
     return 2
+
+
+class ServerAnswerError(Exception):
+    """The server answered 200 with something that is not what its OpenAI API sends."""
 
 
 def _stream_from_server(args: argparse.Namespace, url: str) -> int:
@@ -130,10 +148,12 @@ def _stream_from_server(args: argparse.Namespace, url: str) -> int:
     started = time.perf_counter()
     arrivals: list[float] = []
     usage = timing = None
+    done = False
     with urllib.request.urlopen(request) as response:
         tier = response.headers.get("x-megaserve-tier", "?")
         for raw in response:
             line = raw.decode().strip()
+            done = done or line == SSE_DATA + "[DONE]"
             if not line.startswith(SSE_DATA) or line == SSE_DATA + "[DONE]":
                 continue
             chunk = json.loads(line[len(SSE_DATA):])
@@ -149,6 +169,8 @@ def _stream_from_server(args: argparse.Namespace, url: str) -> int:
                     arrivals.append(time.perf_counter())
                     if not args.json:
                         print(piece, end="", flush=True)
+    if not done:
+        raise ServerAnswerError("the stream ended before its [DONE]: the connection was cut")
     total = time.perf_counter() - started
     tokens = (usage or {}).get("completion_tokens", len(arrivals))
     ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")
@@ -171,4 +193,8 @@ def _headers(api_key: str | None) -> dict[str, str]:
 def _served_model(url: str, api_key: str | None) -> str:
     request = urllib.request.Request(url.rstrip("/") + "/v1/models", headers=_headers(api_key))
     with urllib.request.urlopen(request) as response:
-        return json.load(response)["data"][0]["id"]
+        models = json.load(response)
+    try:
+        return models["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        raise ServerAnswerError(f"/v1/models lists no model: {json.dumps(models)[:200]}") from None

@@ -47,10 +47,11 @@ def test_in_process_seeded_sampling_is_reproducible(demo_dir):
     assert _generate(*args)["token_ids"] == _generate(*args)["token_ids"]
 
 
-def _generate_fails(*args: str) -> str:
+def _generate_fails(*args: str, printed: str = "") -> str:
+    """stderr of a `megaserve generate` that exits 2 with one message, having printed `printed`."""
     done = subprocess.run([sys.executable, "-m", "megaserve.deploy.cli", "generate", *args],
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and done.stdout == ""
+    assert done.returncode == 2 and done.stdout == printed
     assert "Traceback" not in done.stderr
     return done.stderr
 
@@ -97,6 +98,62 @@ def test_a_stream_that_fails_after_its_200_is_an_error():
     finally:
         server.shutdown()
     assert "failed mid-stream: the replica died" in error
+
+
+class BrokenServerHandler(http.server.BaseHTTPRequestHandler):
+    """A server that answers 200 with something else than the OpenAI API: its path picks what."""
+
+    answers = {
+        "/html/v1/models": "<html>a proxy's login page</html>",
+        "/empty/v1/models": json.dumps({"object": "list", "data": []}),
+        "/cut/v1/models": json.dumps({"data": [{"id": "m"}]}),
+    }
+
+    def do_GET(self):
+        self._send(self.answers[self.path])
+
+    def do_POST(self):  # /cut/v1/chat/completions: the stream ends before its promised length
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", "100000")
+        self.end_headers()
+        self.wfile.write(b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n')
+
+    def _send(self, text: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text.encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("path", "message", "printed"), [
+    ("html", "JSONDecodeError", ""),
+    ("empty", "/v1/models lists no model", ""),
+    ("cut", "the stream ended before its [DONE]", "Hel"),  # what came is printed, then the error
+])
+def test_a_server_that_answers_something_else_is_a_one_line_error(path, message, printed):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BrokenServerHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/{path}"
+        assert message in _generate_fails("hi", "--url", url, printed=printed)
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("url", ["foo", "http://[::1"])
+def test_a_malformed_url_is_a_one_line_error(url):
+    assert "ValueError" in _generate_fails("hi", "--url", url)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the torch engine runs there")
+def test_a_cuda_device_without_a_gpu_is_a_one_line_error(demo_dir):
+    assert "--device cuda: this torch sees no CUDA GPU" in _generate_fails("hi", "--model", demo_dir, "--device", "cuda")
 
 
 def test_an_unreachable_server_is_a_one_line_error():
