@@ -83,12 +83,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark owns its flags
+    args = None if argv[:1] == ["bench"] else _parser().parse_args(argv)  # the benchmark owns its flags
+    try:
+        env = Environment.read()
+    except ValueError as error:
+        print(f"megaserve: {error}", file=sys.stderr)
+        return 2
+    if args is None:
         from megaserve.replicas.bench import main as bench_main
 
-        return bench_main(argv[1:])
-    args = _parser().parse_args(argv)
-    env = Environment.read()
+        return bench_main(argv[1:], kernel_cache=env.kernel_cache)
     if args.command == "up":
         from megaserve.deploy.local import serve_until_interrupted
 

@@ -2,7 +2,10 @@
 
 Plain stdlib on purpose: `megaserve generate` and `megaserve bench` run on GPU machines that have
 torch and cuda-python but no pydantic or Ray. Everything below deploy/ receives these values as
-explicit arguments; nothing else reads the environment.
+explicit arguments; nothing else reads a `MEGASERVE_` variable. Two variables of megaserve's
+dependencies are touched elsewhere, by their owners' rules: PROMETHEUS_MULTIPROC_DIR (set for every
+replica from `metrics.multiproc_dir` by the builder, read by prometheus_client and the node
+exporter) and RAY_AUTH_MODE (`megaserve up` turns Ray's token authentication on unless it is set).
 """
 
 from __future__ import annotations
@@ -16,14 +19,20 @@ PREFIX = "MEGASERVE_"
 
 def _path(name: str, default: Path) -> Path:
     value = os.environ.get(PREFIX + name)
-    return Path(value).expanduser() if value else default
+    if not value:
+        return default
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError as error:  # ~user of no such user
+        raise ValueError(f"{PREFIX}{name}={value!r}: {error}") from None
+    return path.absolute()  # handed to replicas, which run in other working directories
 
 
 @dataclass(frozen=True)
 class Environment:
     """Settings that belong to the machine rather than to one app config."""
 
-    home: Path  # MEGASERVE_HOME: demo model, kernel cache, local metrics folder
+    home: Path  # MEGASERVE_HOME: the demo model and the kernel cache
     kernel_cache: Path  # MEGASERVE_KERNEL_CACHE: compiled cubins by source hash + arch + shape
     api_keys: tuple[str, ...]  # MEGASERVE_API_KEYS: comma-separated; empty disables auth
 

@@ -343,13 +343,17 @@ def _stage_table(r: Result, bandwidth: float) -> list[str]:
     return lines
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, kernel_cache: Path | None = None) -> argparse.Namespace:
+    """The bench's flags; `kernel_cache` is --kernel-cache's default (`megaserve bench` passes
+    MEGASERVE_KERNEL_CACHE's folder), without which the flag is required."""
     parser = argparse.ArgumentParser(prog="megaserve bench", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=sorted(BENCH_CONFIGS), default=list(BENCH_CONFIGS))
     parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--kernel-cache", type=Path, required=True, help="folder for compiled kernels")
-    parser.add_argument("--out", type=Path, default=Path("bench.json"), help="where to write the JSON results (rewritten after each model)")
+    parser.add_argument("--kernel-cache", type=Path, required=kernel_cache is None, default=kernel_cache,
+                        help="folder for compiled kernels" + (f" (default {kernel_cache})" if kernel_cache else ""))
+    parser.add_argument("--out", type=Path, default=Path("bench.json"),
+                        help="where to write the JSON results (rewritten after each model)")
     parser.add_argument("--kernel-sources", nargs="+", default=[], metavar="NAME=DIR",
                         help="edited copies of the kernel sources, each timed beside the package's own as "
                              f"method {MEGAKERNEL}:NAME")
@@ -376,8 +380,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, kernel_cache: Path | None = None) -> int:
+    args = parse_args(argv, kernel_cache)
     if not torch.cuda.is_available():
         print("megaserve bench needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from megaserve.deploy.cli import main
 from megaserve.deploy.env import Environment
 
 
@@ -23,3 +26,20 @@ def test_variables_override_and_keys_are_split_and_trimmed(monkeypatch, tmp_path
     env = Environment.read()
     assert env.home == tmp_path and env.kernel_cache == tmp_path / "kernels"
     assert env.api_keys == ("key-a", "key-b")
+
+
+def test_a_relative_path_is_made_absolute_here(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEGASERVE_HOME", "rel/home")
+    monkeypatch.setenv("MEGASERVE_KERNEL_CACHE", "~/kernels")
+    env = Environment.read()
+    assert env.home == tmp_path / "rel" / "home"
+    assert env.kernel_cache == Path.home() / "kernels"
+
+
+def test_a_home_of_no_such_user_is_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.setenv("MEGASERVE_HOME", "~no-such-user-here/cache")
+    with pytest.raises(ValueError, match="MEGASERVE_HOME='~no-such-user-here/cache'"):
+        Environment.read()
+    assert main(["generate", "hi", "--url", "http://127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.startswith("megaserve: MEGASERVE_HOME='~no-such-user-here/cache'")
