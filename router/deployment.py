@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 
 from fastapi import FastAPI
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -66,8 +66,10 @@ class ServeBackend:
                 raise EngineError(str(error.cause)) from None
             raise GenerationFailed(f"the {self.handle.deployment_name} replica failed: {error.cause!r}") from None
         except RayActorError as error:
-            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise GenerationFailed(f"the {self.handle.deployment_name} replica died: {first_line}") from None
+            raise GenerationFailed(f"the {self.handle.deployment_name} replica died: {_first_line(error)}") from None
+        except RayError as error:  # a crashed worker, a lost object: Ray lost the call
+            raise GenerationFailed(f"the call to the {self.handle.deployment_name} replica failed: "
+                                   f"{type(error).__name__}: {_first_line(error)}") from None
         finally:
             if not finished:
                 response.cancel()
@@ -86,6 +88,10 @@ class ServeBackend:
         application = serve.status().applications[self.handle.app_name]
         states = application.deployments[self.handle.deployment_name].replica_states
         return sum(count for state, count in states.items() if state == RUNNING)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 @serve.deployment(max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS)

@@ -3,12 +3,14 @@
 Streams follow OpenAI's order: for chat a first chunk per choice with `{"role": "assistant"}`,
 then one chunk per text delta (the last of a choice carries its finish_reason), then, if
 `stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`.
-A failure after the first chunk arrives as an `{"error": ...}` event (the status is already sent).
+A failure after the first chunk arrives as an `{"error": ...}` event (the status is already sent),
+then `[DONE]`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator
 
@@ -31,6 +33,7 @@ from megaserve.router.policy import Lease
 from megaserve.router.streaming import closing
 
 SSE_DONE = b"data: [DONE]\n\n"
+log = logging.getLogger(__name__)
 SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
 
 
@@ -95,7 +98,11 @@ class ResponseBuilder:
                     yield self._delta_chunk(delta)
             except (APIError, EngineError, GenerationFailed) as error:
                 message = error.message if isinstance(error, APIError) else f"generation failed: {error}"
-                yield _sse({"error": {"message": message, "type": SERVER_ERROR, "param": None, "code": None}})
+                yield _error_event(message)
+                return
+            except Exception as error:  # noqa: BLE001 - the status is sent: an error event, not a cut connection
+                log.exception("stream %s failed", self.common["id"])
+                yield _error_event(f"internal error: {type(error).__name__}")
                 return
         if include_usage:
             yield self._chunk([], usage=self.usage(), timing=self.timing())
@@ -116,3 +123,8 @@ class ResponseBuilder:
 
 def _sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _error_event(message: str) -> bytes:
+    """A failure after the stream began, then `[DONE]` as after any stream (vLLM and SGLang do too)."""
+    return _sse({"error": {"message": message, "type": SERVER_ERROR, "param": None, "code": None}}) + SSE_DONE

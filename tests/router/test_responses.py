@@ -1,0 +1,49 @@
+"""A stream that fails after its 200 ends in an OpenAI error event and then `[DONE]`, whatever the
+failure, over a real router and HTTP (the status is already sent: the connection must not be cut)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+
+import httpx
+import pytest
+
+from megaserve.replicas.protocol import FinishReason, GenerateRequest, StepOutput, Tier
+
+from .conftest import MODEL
+
+STEP_SECONDS = 0.001
+
+
+class BackendFailingAfterOneToken:
+    """Sends one token, then ends the way `failure` says: a replica's reported error, or an
+    exception that no layer expects (a Ray error of a kind the handle does not translate, say)."""
+
+    def __init__(self, failure: str) -> None:
+        self.failure = failure
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        yield StepOutput([5], [STEP_SECONDS])
+        if self.failure == "reported":
+            yield StepOutput([], [], FinishReason.ABORT, error="CUDA error: an illegal memory access")
+        raise KeyError("an unexpected failure")
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize(("failure", "message"), [
+    ("reported", "generation failed: CUDA error: an illegal memory access"),
+    ("unexpected", "internal error: KeyError"),
+])
+def test_a_failure_mid_stream_is_an_error_event_then_done(serve_router, failure, message):
+    url = serve_router({Tier.LATENCY: BackendFailingAfterOneToken(failure)})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "service_tier": "priority"}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    error = json.loads(payloads[-2])["error"]
+    assert error["message"] == message and error["type"] == "server_error"
