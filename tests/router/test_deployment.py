@@ -56,6 +56,7 @@ def test_a_ray_failure_of_the_call_is_a_failed_generation(error):
     async def consume() -> list[StepOutput]:
         return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
 
-    with pytest.raises(GenerationFailed, match=f"the call to the LatencyReplica replica failed: {type(error).__name__}"):
+    expected = f"the call to the LatencyReplica replica failed: {type(error).__name__}"
+    with pytest.raises(GenerationFailed, match=expected):
         asyncio.run(consume())
     assert response.cancelled
