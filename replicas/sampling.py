@@ -154,14 +154,19 @@ class SamplingTable:
 
 
 def _keep_mask(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """[B, V] bool: the tokens that survive top-k, then top-p over the top-k renormalized."""
-    vocab_size = scaled.shape[-1]
+    """[B, V] bool: the tokens that survive top-k, then top-p over the top-k renormalized; the most
+    likely token always survives."""
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab_size, device=scaled.device)
-    keep_sorted = rank[None, :] < rows.top_k[:, None]
+    # Top-k keeps every token tied with the k-th largest logit, as vLLM does (bf16 logits tie often);
+    # a cut at rank k would pick among the tied tokens by id. kth: [B, 1].
+    kth = sorted_logits.gather(-1, rows.top_k[:, None] - 1)
+    keep_sorted = sorted_logits >= kth
     probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
-    # Keep a token while the mass strictly before it is below top_p: the top token always stays.
+    # Keep a token while the mass strictly before it is below top_p.
     keep_sorted &= (torch.cumsum(probs, dim=-1) - probs) < rows.top_p[:, None]
+    # A top_p below float32's range (1e-300) is stored as 0.0 and keeps nothing above: the top token stays
+    # anyway, as in vLLM, so that no row is left all -inf (whose argmax is token 0 whatever the logits).
+    keep_sorted[:, 0] = True
     return torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 

@@ -50,6 +50,32 @@ def test_top_k_restricts_draws_to_the_k_most_likely():
     assert set(tokens.tolist()) == top3  # all three appear at this temperature, nothing else
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth_largest():
+    # bf16 logits tie often. As in vLLM (mask = logits < k-th largest), top_k=2 over 3, 2, 2, 2, 1 keeps the
+    # three tokens tied at 2, not just the lowest id among them: softmax over 3, 2, 2, 2 is 0.475, 0.175 (x3).
+    base = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0])
+    logits = torch.full((DRAWS, VOCAB), -1e9)
+    logits[:, :5] = base
+    expected = torch.softmax(base[:4], -1)
+    for top_p in (1.0, 0.9):  # alone, and with a top-p that keeps all four (mass before the last: 0.825)
+        params = [SamplingParams(temperature=1.0, top_k=2, top_p=top_p, seed=i) for i in range(DRAWS)]
+        frequency = torch.bincount(_draw(logits, params, [0] * DRAWS), minlength=VOCAB).float() / DRAWS
+        assert frequency[4:].sum() == 0
+        assert (frequency[:4] - expected).abs().max() < FREQUENCY_TOLERANCE, (top_p, frequency[:4], expected)
+
+
+def test_top_p_that_rounds_to_zero_still_keeps_the_top_token():
+    # The API accepts any top_p > 0; 1e-300 is 0.0 in float32, which must still keep the most likely
+    # token (as vLLM does), alone or with top-k, for seeded and unseeded rows, not mask every token.
+    logits = _logits(8)
+    assert (logits.argmax(-1) != 0).all()  # so the argmax of an all -inf row (token 0) cannot pass
+    # rows 0-3 seeded, 4-7 not; odd rows add top_k=3
+    params = [SamplingParams(temperature=1.5, top_p=1e-300, top_k=3 * (i % 2), seed=i if i < 4 else None)
+              for i in range(8)]
+    assert SamplingRows.build(params, VOCAB, "cpu").top_p.eq(0).all()
+    assert torch.equal(_draw(logits, params, list(range(8)), torch.Generator().manual_seed(3)), logits.argmax(-1))
+
+
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two (0.5 < 0.7 <= 0.8).
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
