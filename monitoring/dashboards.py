@@ -149,7 +149,7 @@ def serving() -> dashboard.Dashboard:
             "Time to first token", "From arrival at the router to the first generated token.",
             "s", _quantiles("megaserve_time_to_first_token_seconds", MODELS, by_tier, (0.5, 0.99))))
         .with_panel(_panel(
-            "Inter-token latency", "Engine step time per generated token after the first.", "s",
+            "Inter-token latency", "Time between a request's tokens as the router receives them, stalls included.", "s",
             _quantiles("megaserve_inter_token_latency_seconds", MODELS, by_tier, (0.5, 0.99))))
         .with_row(dashboard.Row("Throughput and load"))
         .with_panel(_panel(

@@ -71,7 +71,8 @@ TIME_TO_FIRST_TOKEN = Histogram(
 )
 INTER_TOKEN_LATENCY = Histogram(
     "megaserve_inter_token_latency_seconds",
-    "Engine step time per generated token after the first, in seconds.",
+    "Time between a choice's generated tokens after its first, as the router receives them (the wall time "
+    "since the choice's previous output, spread over the output's tokens), in seconds.",
     ["tier", "model"],
     buckets=STEP_BUCKETS,
 )

@@ -6,9 +6,11 @@ stop string, finish_reason "stop") and the replica stream is then closed, so the
 decoding. Leaving `events()` early (client gone, error) closes every replica stream at once.
 
 Metrics: time to first token (arrival to the first token of any choice), inter-token latency
-(the engine step time of every token after a choice's first), request duration, prompt tokens
-(once per request), generated tokens, and one finished-request count per choice: by its OpenAI
-finish_reason, "cancelled" when the client left first, "error" when the replica failed.
+(per token after a choice's first, the wall time since the choice's previous output, spread over
+the output's tokens: what a client sees, stalls included, such as a batch's admissions), request
+duration, prompt tokens (once per request), generated tokens (as they arrive), and one
+finished-request count per choice: by its OpenAI finish_reason, "cancelled" when the client left
+first, "error" when the replica failed.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class Generation:
     decode_seconds: float = 0.0  # sum of engine step times after each choice's first token
     decode_tokens: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    last_output_at: dict[int, float] = field(default_factory=dict)  # per choice: its latest tokens' arrival
 
     @property
     def prompt_tokens(self) -> int:
@@ -144,7 +147,7 @@ class Generation:
                 if not stopped and output.finish_reason is not None:
                     text, stopped = matcher.push(detokenizer.finish())
                     released += text
-                self._count(output, used, first)
+                self._count(index, output, used, first)
                 first = first and not output.token_ids
                 if stopped:
                     final = self._finish(index, released, FinishReason.STOP.value)
@@ -160,23 +163,29 @@ class Generation:
             raise GenerationFailed("the replica stream ended without a finish reason")
         yield final  # after the replica stream is closed: a stop string frees the replica first
 
-    def _count(self, output: StepOutput, tokens: int, first_of_choice: bool) -> None:
-        """Record the first `tokens` of `output`: those before a stop string, or all of them."""
+    def _count(self, index: int, output: StepOutput, tokens: int, first_of_choice: bool) -> None:
+        """Record the first `tokens` of choice `index`'s `output`: those before a stop string, or all."""
         if not tokens:
             return
         now = time.perf_counter()
+        labels = {"tier": self.tier.value, "model": self.model}
         steps = output.step_seconds[:tokens]
         if self.first_token_at is None:
             self.first_token_at = now
-            TIME_TO_FIRST_TOKEN.labels(tier=self.tier.value, model=self.model).observe(now - self.arrival)
+            TIME_TO_FIRST_TOKEN.labels(**labels).observe(now - self.arrival)
+        histogram = INTER_TOKEN_LATENCY.labels(**labels)
         if first_of_choice:
             steps = steps[1:]  # the first token's step is the prefill: counted in TTFT
-        histogram = INTER_TOKEN_LATENCY.labels(tier=self.tier.value, model=self.model)
-        for seconds in steps:
+            gaps = steps  # tokens that came with the first: no arrival gap to see, their engine steps
+        else:
+            gaps = [(now - self.last_output_at[index]) / tokens] * tokens
+        for seconds in gaps:
             histogram.observe(seconds)
+        self.last_output_at[index] = now
         self.decode_seconds += sum(steps)
         self.decode_tokens += len(steps)
         self.completion_tokens += tokens
+        GENERATION_TOKENS.labels(**labels).inc(tokens)
 
     def _finish(self, index: int, text: str, finish_reason: str) -> Delta:
         self.finish_reasons[index] = finish_reason
@@ -186,7 +195,6 @@ class Generation:
         self.finished_at = time.perf_counter()
         labels = {"tier": self.tier.value, "model": self.model}
         REQUEST_DURATION.labels(**labels).observe(self.finished_at - self.arrival)
-        GENERATION_TOKENS.labels(**labels).inc(self.completion_tokens)
         for index in range(len(self.requests)):
             reason = self.finish_reasons.get(index, CANCELLED)
             FINISHED_REQUESTS.labels(**labels, finish_reason=reason).inc()

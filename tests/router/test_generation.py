@@ -1,4 +1,5 @@
-"""Stop strings are matched on text as it grows: nothing past a stop string is ever released."""
+"""Stop strings are matched on text as it grows: nothing past a stop string is ever released; and
+the per-request metrics the router records as tokens arrive."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from megaserve.monitoring.metrics import FINISHED_REQUESTS
+from megaserve.monitoring.metrics import FINISHED_REQUESTS, GENERATION_TOKENS, INTER_TOKEN_LATENCY
 from megaserve.replicas.protocol import FinishReason, GenerateRequest, StepOutput, Tier
 from megaserve.router.generation import Generation, GenerationFailed, StopMatcher
 from megaserve.router.tokenizer import Tokenizer
@@ -118,3 +119,50 @@ def test_a_failed_replica_is_counted_as_an_error_not_as_a_client_that_left(token
     after = {reason: counter._value.get() for reason, counter in counted.items()}
     assert after["error"] >= before["error"] + 1  # the choice that failed; the other may be closed first
     assert after["error"] + after["cancelled"] == before["error"] + before["cancelled"] + 2
+
+
+STALL_SECONDS = 0.2  # a batch's admission prefill between two decode steps, say
+
+
+class StallingBackend:
+    """A replica whose second output comes STALL_SECONDS after its first, though each token's engine
+    step took STEP_SECONDS (the running requests wait while the engine prefills another)."""
+
+    def __init__(self) -> None:
+        self.generated_before_the_last = None
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        yield StepOutput([5], [STEP_SECONDS])
+        await asyncio.sleep(STALL_SECONDS)
+        yield StepOutput([6, 7], [STEP_SECONDS] * 2)
+        self.generated_before_the_last = _sample(GENERATION_TOKENS, "_total")
+        yield StepOutput([8], [STEP_SECONDS], FinishReason.LENGTH)
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+def _sample(metric, suffix: str) -> float:
+    labels = {"tier": "latency", "model": "stalling"}
+    return next(s.value for m in metric.collect() for s in m.samples if s.name.endswith(suffix) and s.labels == labels)
+
+
+def test_inter_token_latency_is_the_gap_a_client_sees_and_tokens_are_counted_as_they_arrive(tokenizer):
+    INTER_TOKEN_LATENCY.labels(tier="latency", model="stalling")  # the series, before the first request
+    GENERATION_TOKENS.labels(tier="latency", model="stalling")
+    before = {"itl_sum": _sample(INTER_TOKEN_LATENCY, "_sum"), "itl_count": _sample(INTER_TOKEN_LATENCY, "_count"),
+              "tokens": _sample(GENERATION_TOKENS, "_total")}
+    backend = StallingBackend()
+    generation = Generation(backend, [GenerateRequest("r", (1, 2, 3))], Tier.LATENCY, "stalling", tokenizer, (),
+                            arrival=time.perf_counter())
+
+    async def consume() -> None:
+        async for _ in generation.events():
+            pass
+
+    asyncio.run(consume())
+    assert _sample(INTER_TOKEN_LATENCY, "_count") - before["itl_count"] == 3  # every token after the first
+    assert _sample(INTER_TOKEN_LATENCY, "_sum") - before["itl_sum"] >= STALL_SECONDS  # the stall, spread over 6, 7
+    assert backend.generated_before_the_last - before["tokens"] == 3  # counted before the request ended
+    assert _sample(GENERATION_TOKENS, "_total") - before["tokens"] == 4
+    assert generation.decode_seconds == pytest.approx(3 * STEP_SECONDS)  # the timing field stays engine steps
