@@ -68,6 +68,7 @@ class TokenStream:
         self.on_cancel = on_cancel
         self.cancelled = False  # set on the loop thread, read by the engine thread (a plain bool)
         self._chunks: asyncio.Queue[Chunk] = asyncio.Queue()
+        self._getter: asyncio.Task[Chunk] | None = None  # a get() that outlived a coalescing deadline
 
     def put(self, chunk: Chunk) -> None:
         """Hand over a chunk; call on the stream's event loop (threads go through StreamOutbox)."""
@@ -104,20 +105,29 @@ class TokenStream:
                     tokens, seconds, last_yield = tokens[count:], seconds[count:], time.monotonic()
         finally:
             if not finished:
+                if self._getter is not None:  # nobody will take its chunk now
+                    self._getter.cancel()
                 self.cancelled = True
                 if self.on_cancel is not None:
                     self.on_cancel()
 
     async def _next(self, timeout: float | None) -> Chunk | None:
         """The next chunk, or None once `timeout` seconds pass without one."""
-        if not self._chunks.empty() or timeout is None:
-            return await self._chunks.get()
-        if timeout <= 0:
+        if self._getter is None:
+            if timeout is None or not self._chunks.empty():
+                return await self._chunks.get()
+            if timeout <= 0:
+                return None
+            self._getter = asyncio.create_task(self._chunks.get())
+        # Not asyncio.wait_for: before Python 3.12 it swallows this task's cancellation when the
+        # get() completes in the same loop turn (gh-86296), and Ray cancels a stream only once.
+        # asyncio.wait always lets the CancelledError through and leaves the getter running on a
+        # timeout, so a chunk that arrives as the deadline passes waits in it for the next call.
+        done, _ = await asyncio.wait((self._getter,), timeout=timeout)
+        if not done:
             return None
-        try:
-            return await asyncio.wait_for(self._chunks.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
+        getter, self._getter = self._getter, None
+        return getter.result()
 
     def _item(
         self,

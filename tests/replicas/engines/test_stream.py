@@ -67,6 +67,41 @@ async def test_closing_the_consumer_cancels_the_stream_once():
     assert stream.cancelled and calls == [1]
 
 
+async def test_a_cancel_in_the_turn_a_chunk_arrives_still_cancels_the_stream():
+    # Ray cancels the consuming task once on client disconnect; asyncio.wait_for (Python < 3.12,
+    # gh-86296) used to swallow it when the pending get() completed in the same loop turn.
+    calls = []
+    stream = _stream(seconds=10.0, tokens=16, on_cancel=lambda: calls.append(1))
+    outputs = stream.outputs()
+    stream.put(Chunk([1], [STEP]))
+    await anext(outputs)
+    stream.put(Chunk([2], [STEP]))
+    consumer = asyncio.create_task(_next_item(outputs))
+    while not stream._chunks.empty():  # until the consumer took 2 and waits on the coalescing timer
+        await asyncio.sleep(0)
+    stream.put(Chunk([3], [STEP]))  # the engine's next step lands in the same turn as the cancel
+    consumer.cancel()
+    stream.put(Chunk([], [], FinishReason.STOP))  # a swallowed cancel would end the consumer normally
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    assert consumer.cancelled() and stream.cancelled and calls == [1]
+
+
+async def test_closing_after_a_timer_yield_leaves_no_task_behind():
+    stream = _stream(seconds=0.01, tokens=100)
+    outputs = stream.outputs()
+    stream.put(Chunk([1, 2], [STEP, STEP]))
+    assert [(await anext(outputs)).token_ids for _ in range(2)] == [[1], [2]]
+    # the deadline passed with a get() still waiting; it is picked up by the next call, or ended here
+    await outputs.aclose()
+    await asyncio.sleep(0)  # let the cancelled get() finish
+    assert asyncio.all_tasks() == {asyncio.current_task()} and stream.cancelled
+
+
+async def _next_item(outputs):
+    return await anext(outputs)
+
+
 async def test_a_finished_stream_is_not_cancelled():
     stream = _stream(seconds=1.0, tokens=4, on_cancel=lambda: pytest.fail("cancelled"))
     stream.put(Chunk([1], [STEP], FinishReason.STOP))
