@@ -109,6 +109,27 @@ FINISHED_REQUESTS = Counter(
     "client left first) or error (the replica failed).",
     ["tier", "model", "finish_reason"],
 )
+# The label values the router's counters take (router/policy.py, router/errors.py, router/generation.py).
+ROUTE_REASONS = ("requested", "header", "policy", "prompt_length", "n", "spillover", "only_tier")
+REJECTION_REASONS = ("invalid", "unauthorized", "saturated", "unavailable", "failed")
+FINISH_REASONS = ("stop", "length", "abort", "cancelled", "error")
+
+
+def start_router_series(model: str, tiers: tuple[str, ...]) -> None:
+    """Every label set of the router's counters, at zero from the router's start: Prometheus takes a
+    series' first sample as its beginning, so rate() and increase() would miss whatever a series was
+    created with (the first rejection of a kind, the first request of a tier)."""
+    for tier in tiers:
+        for counter in (PROMPT_TOKENS, GENERATION_TOKENS):
+            counter.labels(tier=tier, model=model)
+        for reason in ROUTE_REASONS:
+            ROUTED_REQUESTS.labels(tier=tier, model=model, reason=reason)
+        for reason in FINISH_REASONS:
+            FINISHED_REQUESTS.labels(tier=tier, model=model, finish_reason=reason)
+    for reason in REJECTION_REASONS:
+        REJECTED_REQUESTS.labels(model=model, reason=reason)
+
+
 QUEUE_DEPTH = Gauge(
     "megaserve_queue_depth",
     "Requests waiting at the router for a replica of a tier.",

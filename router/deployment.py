@@ -23,6 +23,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from megaserve.monitoring.exporter import start_node_exporter
+from megaserve.monitoring.metrics import start_router_series
 from megaserve.replicas.protocol import EngineError, GenerateRequest, StepOutput, Tier
 from megaserve.router.app import create_app
 from megaserve.router.backend import Backend
@@ -114,6 +115,7 @@ class RouterDeployment:
             for tier, handle in ((Tier.LATENCY, latency), (Tier.THROUGHPUT, throughput))
             if handle is not None
         }
+        start_router_series(settings.model_name, tuple(tier.value for tier in self.backends))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.settings, self.backends)

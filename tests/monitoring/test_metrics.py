@@ -1,0 +1,39 @@
+"""The router's counters exist at zero for every label set from the start, so that Prometheus'
+rate() and increase() count their first increments."""
+
+from __future__ import annotations
+
+from megaserve.monitoring.metrics import (
+    FINISH_REASONS,
+    FINISHED_REQUESTS,
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    REJECTED_REQUESTS,
+    REJECTION_REASONS,
+    ROUTE_REASONS,
+    ROUTED_REQUESTS,
+    start_router_series,
+)
+
+MODEL = "series-at-start"
+TIERS = ("latency", "throughput")
+
+
+def _totals(counter) -> dict[tuple, float]:
+    return {tuple(sorted(s.labels.items())): s.value for m in counter.collect() for s in m.samples
+            if s.name.endswith("_total") and s.labels.get("model") == MODEL}
+
+
+def test_every_label_set_of_the_router_counters_starts_at_zero():
+    start_router_series(MODEL, TIERS)
+    expected = {
+        PROMPT_TOKENS: [{"tier": t} for t in TIERS],
+        GENERATION_TOKENS: [{"tier": t} for t in TIERS],
+        ROUTED_REQUESTS: [{"tier": t, "reason": r} for t in TIERS for r in ROUTE_REASONS],
+        FINISHED_REQUESTS: [{"tier": t, "finish_reason": r} for t in TIERS for r in FINISH_REASONS],
+        REJECTED_REQUESTS: [{"reason": r} for r in REJECTION_REASONS],
+    }
+    for counter, label_sets in expected.items():
+        totals = _totals(counter)
+        assert set(totals) == {tuple(sorted((labels | {"model": MODEL}).items())) for labels in label_sets}
+        assert set(totals.values()) == {0.0}
