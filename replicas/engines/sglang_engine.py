@@ -15,6 +15,12 @@ By default each streamed dict carries all output ids so far; with SGLang's
 leaves cancels our pump and `runtime.tokenizer_manager.abort_request(rid=...)` drops the request
 from SGLang's batch at its next step.
 
+Stops are TorchEngine's (and vLLM's): a stop id ends a request with FinishReason.STOP, the stop id
+streamed last, and `ignore_eos` drops only EOS. SGLang's own check skips the stop ids too under
+`ignore_eos` (`Req._check_token_based_finish` returns early), so then they are not sent to SGLang:
+`OutputReader` ends the stream at the first one itself and the pump aborts the request in SGLang,
+as for a client that leaves.
+
 Launch settings the engine owns (OWNED_ARGS; `engine_args` may not set them): the model path,
 `tp_size`, `context_length` (the tier's max_seq_len, capped by the model), `dtype`,
 `max_running_requests` (the tier's max_batch), `enable_metrics` (SGLang's own `sglang:*` metrics,
@@ -38,8 +44,8 @@ process, so an SGLangEngine needs a process of its own (a Serve replica is one).
 Health: a one-token generation, as SGLang's own /health_generate does. Under load the probe may
 wait in SGLang's queue; output reaching any other request in the meantime proves SGLang alive too.
 
-`sglang_sampling_params`, `engine_launch_args`, `generate_kwargs`, `model_limits` and
-`OutputReader` are pure and tested without SGLang; the engine itself is tested against an
+`sglang_sampling_params`, `own_stop_ids`, `engine_launch_args`, `generate_kwargs`, `model_limits`
+and `OutputReader` are pure and tested without SGLang; the engine itself is tested against an
 in-process stand-in for `sglang.Engine`, and against the real one in tests/gpu/.
 """
 
@@ -90,7 +96,8 @@ HEALTH_TIMEOUT_SECONDS = 20.0
 
 
 def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
-    """SGLang's `sampling_params` dict for our SamplingParams."""
+    """SGLang's `sampling_params` dict for our SamplingParams; stop ids only where SGLang checks them
+    (see `own_stop_ids`)."""
     mapped: dict[str, Any] = {
         "max_new_tokens": params.max_tokens,
         "temperature": 0.0 if params.greedy else params.temperature,  # greedy rows are greedy on every tier
@@ -98,11 +105,16 @@ def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
         "top_k": params.top_k if params.top_k > 0 else TOP_K_DISABLED,
         "ignore_eos": params.ignore_eos,
     }
-    if params.stop_token_ids:
+    if params.stop_token_ids and not params.ignore_eos:
         mapped["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         mapped["sampling_seed"] = params.seed
     return mapped
+
+
+def own_stop_ids(params: SamplingParams) -> frozenset[int]:
+    """The stop ids the engine checks itself: all of them under `ignore_eos`, where SGLang skips them."""
+    return frozenset(params.stop_token_ids) if params.ignore_eos else frozenset()
 
 
 def generate_kwargs(prompt_token_ids: Sequence[int], sampling_params: Mapping[str, Any], rid: str,
@@ -151,9 +163,11 @@ def model_limits(hf_config: Mapping[str, Any], max_seq: int | None) -> tuple[int
 
 @dataclass
 class OutputReader:
-    """Turns the dicts of one SGLang stream into Chunks of new tokens."""
+    """Turns the dicts of one SGLang stream into Chunks of new tokens, ending at the first of
+    `stop_ids` (the stop ids SGLang does not check, `own_stop_ids`)."""
 
     incremental: bool  # SGLang started with incremental_streaming_output
+    stop_ids: frozenset[int] = frozenset()
     delivered: int = 0  # output ids handed on so far
 
     def read(self, output: Mapping[str, Any], seconds: float) -> Chunk:
@@ -163,6 +177,9 @@ class OutputReader:
         self.delivered += len(new)
         reason, error = finish_of(output["meta_info"].get("finish_reason"))
         per_token = seconds / len(new) if new else 0.0
+        stop = next((i for i, token in enumerate(new) if token in self.stop_ids), None)
+        if stop is not None:  # it came before whatever SGLang reports with it (length, abort): STOP, as on TorchEngine
+            new, reason, error = new[:stop + 1], FinishReason.STOP, None
         return Chunk(new, [per_token] * len(new), reason, error)
 
 
@@ -247,7 +264,7 @@ class SGLangEngine(Engine):
     async def _pump(self, request: GenerateRequest, rid: str, stream: TokenStream) -> None:
         """Feed SGLang's stream for `rid` into our TokenStream until it finishes."""
         self.metrics.request_started()
-        reader = OutputReader(self._incremental)
+        reader = OutputReader(self._incremental, own_stop_ids(request.sampling))
         last = time.perf_counter()
         try:
             outputs = await self._runtime.async_generate(**generate_kwargs(
@@ -264,6 +281,8 @@ class SGLangEngine(Engine):
                     first = False
                 stream.put(chunk)
                 if chunk.finish_reason is not None:
+                    if output["meta_info"].get("finish_reason") is None:  # a stop id SGLang skips: it would run on
+                        self._runtime.tokenizer_manager.abort_request(rid=rid)
                     return
             stream.put(Chunk(finish_reason=FinishReason.ABORT, error="SGLang ended the stream without a finish reason"))
         except Exception as exc:  # SGLang refused or failed the request: the client gets the reason

@@ -6,7 +6,7 @@ checks against the pinned SGLang's source, and streams as SGLang's TokenizerMana
 `skip_tokenizer_init`: one dict per decode step holding every output id so far (only the new ones
 with `incremental_streaming_output`), the last one with meta_info["finish_reason"] set to
 {"type": "stop" | "length" | "abort", ...}. Its "model" continues a prompt ending in t with
-t+1, t+2, ...
+t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's rule (`stops_on`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 STEP_SECONDS = 0.001
+
+
+def stops_on(params: dict[str, Any], token: int) -> bool:
+    """SGLang's `Req._check_token_based_finish` for a model without EOS: a stop id ends the request
+    unless `ignore_eos` is set, which makes SGLang skip the stop ids as well as EOS.
+    test_sglang_api.py runs SGLang's own check against this one."""
+    return not params.get("ignore_eos", False) and token in (params.get("stop_token_ids") or ())
 
 
 class StandInTokenizerManager:
@@ -52,7 +59,6 @@ class StandInSGLang:
         if stalled:
             await asyncio.Event().wait()
         incremental = self.launch_args.get("incremental_streaming_output", False)
-        stop = set(params.get("stop_token_ids") or ())
         output_ids: list[int] = []
         while True:
             await asyncio.sleep(STEP_SECONDS)
@@ -63,7 +69,7 @@ class StandInSGLang:
             token = prompt[-1] + len(output_ids) + 1
             output_ids.append(token)
             reason = None
-            if token in stop:
+            if stops_on(params, token):
                 reason = {"type": "stop", "matched": token}
             elif len(output_ids) == params["max_new_tokens"]:
                 reason = {"type": "length", "length": len(output_ids)}

@@ -13,6 +13,7 @@ import logging
 import os
 import tempfile
 import typing
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,7 +29,7 @@ from megaserve.replicas.engines.sglang_engine import (
     sglang_sampling_params,
 )
 from megaserve.replicas.protocol import SamplingParams
-from tests.replicas.engines.sglang_stand_in import StandInSGLang, StandInTokenizerManager
+from tests.replicas.engines.sglang_stand_in import StandInSGLang, StandInTokenizerManager, stops_on
 from tests.replicas.engines.sglang_source import SGLangSource, keyword_value, pinned_version, type_names, wheel_path
 
 ENGINE = "sglang.srt.entrypoints.engine"
@@ -56,7 +57,7 @@ def _every_launch_arg() -> dict[str, object]:
 
 def _every_sampling_param() -> dict[str, object]:
     return sglang_sampling_params(SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9, top_k=5, seed=1,
-                                                 stop_token_ids=(2,), ignore_eos=True))
+                                                 stop_token_ids=(2,)))
 
 
 def _assert_accepted(values: dict[str, object], fields: dict[str, ast.expr], where: str) -> None:
@@ -136,6 +137,20 @@ def test_minus_one_disables_top_k(sglang):
                 if isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.Eq)
                 and ast.unparse(node.left) == "self.top_k"]
     assert TOP_K_DISABLED in compared
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_stand_in_stops_on_stop_ids_as_sglang_does(sglang, ignore_eos):
+    """Run SGLang's own Req._check_token_based_finish: under ignore_eos it skips the stop ids too."""
+    function = sglang.method(sglang.cls(SCHEDULE_BATCH, "Req"), "_check_token_based_finish")
+    namespace = {"FINISH_MATCHED_TOKEN": lambda matched: {"type": "stop", "matched": matched}}
+    exec(compile(ast.Module([function], type_ignores=[]), "sglang/srt/managers/schedule_batch.py", "exec"), namespace)
+    params = {"max_new_tokens": 9, "stop_token_ids": [13], "ignore_eos": ignore_eos}
+    for token in (12, 13):
+        req = SimpleNamespace(sampling_params=SimpleNamespace(**params), eos_token_ids=None, tokenizer=None,
+                              output_ids=[11, token], finished_reason=None, finished_len=None)
+        assert namespace["_check_token_based_finish"](req, [token]) == stops_on(params, token)
+    assert stops_on(params, 13) is not ignore_eos
 
 
 def test_every_finish_type_sglang_reports_is_one_of_ours(sglang):

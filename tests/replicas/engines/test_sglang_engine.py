@@ -22,6 +22,7 @@ from megaserve.replicas.engines.sglang_engine import (
     finish_of,
     generate_kwargs,
     model_limits,
+    own_stop_ids,
     sglang_sampling_params,
 )
 from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason, GenerateRequest, SamplingParams
@@ -34,11 +35,19 @@ _names = itertools.count()
 
 def test_sampling_params_map_to_sglang_names():
     params = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, seed=5,
-                            stop_token_ids=(2, 7), ignore_eos=True)
+                            stop_token_ids=(2, 7))
     assert sglang_sampling_params(params) == {
-        "max_new_tokens": 32, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "ignore_eos": True,
+        "max_new_tokens": 32, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "ignore_eos": False,
         "stop_token_ids": [2, 7], "sampling_seed": 5,
     }
+    assert own_stop_ids(params) == frozenset()
+
+
+def test_under_ignore_eos_the_engine_checks_the_stop_ids_not_sglang():
+    params = SamplingParams(stop_token_ids=(2, 7), ignore_eos=True)
+    mapped = sglang_sampling_params(params)
+    assert mapped["ignore_eos"] is True and "stop_token_ids" not in mapped
+    assert own_stop_ids(params) == {2, 7}
 
 
 def test_a_temperature_below_the_greedy_threshold_is_sent_as_greedy():
@@ -104,7 +113,8 @@ def test_cumulative_outputs_become_new_tokens_with_split_step_times():
     first = reader.read({"output_ids": ids, "meta_info": {"finish_reason": None}}, 0.3)
     ids += [12, 13]
     second = reader.read({"output_ids": ids, "meta_info": {"finish_reason": None}}, 0.02)
-    last = reader.read({"output_ids": ids + [14], "meta_info": {"finish_reason": {"type": "length", "length": 4}}}, 0.01)
+    length = {"type": "length", "length": 4}
+    last = reader.read({"output_ids": ids + [14], "meta_info": {"finish_reason": length}}, 0.01)
     assert (first.token_ids, first.step_seconds) == ([11], [0.3])
     assert (second.token_ids, second.step_seconds) == ([12, 13], [0.01, 0.01])
     assert (last.token_ids, last.finish_reason) == ([14], FinishReason.LENGTH)
@@ -115,6 +125,17 @@ def test_incremental_outputs_pass_through():
     reader.read({"output_ids": [1, 2], "meta_info": {}}, 0.1)
     chunk = reader.read({"output_ids": [3], "meta_info": {"finish_reason": {"type": "stop", "matched": 3}}}, 0.1)
     assert (chunk.token_ids, chunk.finish_reason, reader.delivered) == ([3], FinishReason.STOP, 3)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("sglang_reason", [None, {"type": "length", "length": 4}])
+def test_the_reader_ends_at_the_first_of_its_stop_ids(incremental, sglang_reason):
+    reader = OutputReader(incremental, stop_ids=frozenset({13, 14}))
+    reader.read({"output_ids": [11], "meta_info": {"finish_reason": None}}, 0.1)
+    ids = [12, 13, 14] if incremental else [11, 12, 13, 14]
+    chunk = reader.read({"output_ids": ids, "meta_info": {"finish_reason": sglang_reason}}, 0.3)
+    assert (chunk.token_ids, chunk.finish_reason, chunk.error) == ([12, 13], FinishReason.STOP, None)
+    assert chunk.step_seconds == pytest.approx([0.1, 0.1])
 
 
 def test_a_final_output_that_repeats_everything_adds_nothing():
@@ -200,11 +221,19 @@ async def test_sglang_s_stream_becomes_steps_that_follow_the_yield_rule(make_sgl
     assert call["rid"].startswith("greedy-")
 
 
-async def test_a_stop_token_finishes_with_stop(make_sglang):
-    engine, _ = make_sglang()
-    items = [item async for item in engine.generate(_request((5, 10), stop_token_ids=(13,), max_tokens=9))]
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("ignore_eos", [False, True])
+async def test_a_stop_token_finishes_with_stop(make_sglang, ignore_eos, incremental):
+    """As on TorchEngine, ignore_eos or not; SGLang skips stop ids under ignore_eos (the stand-in
+    follows its rule), so there the engine stops and aborts SGLang's request itself."""
+    engine, sglang = make_sglang(engine_args={"incremental_streaming_output": incremental})
+    labels = {"tier": "throughput", "model": engine.model_name}
+    request = _request((5, 10), stop_token_ids=(13,), max_tokens=9, ignore_eos=ignore_eos)
+    items = [item async for item in engine.generate(request)]
     assert [t for item in items for t in item.token_ids] == [11, 12, 13]
-    assert items[-1].finish_reason == FinishReason.STOP
+    assert items[-1].finish_reason == FinishReason.STOP and items[-1].error is None
+    assert sglang.tokenizer_manager.aborted == ([sglang.requests[0]["rid"]] if ignore_eos else [])
+    assert _sample("megaserve_running_requests", labels) == 0
 
 
 async def test_the_same_request_id_twice_gets_two_sglang_rids(make_sglang):
