@@ -167,6 +167,16 @@ def test_ray_token_authentication_stays_on():
     assert _cluster()["authOptions"]["mode"] == "token"
 
 
+def test_every_pod_gets_the_router_s_api_keys_from_a_secret():
+    # The keys are read where Serve builds the app; a pod without the Secret does not start, so the
+    # API is never served without auth by mistake.
+    groups = [_cluster()["headGroupSpec"], *_cluster()["workerGroupSpecs"]]
+    for group in groups:
+        (container,) = group["template"]["spec"]["containers"]
+        keys = next(var for var in container["env"] if var["name"] == "MEGASERVE_API_KEYS")
+        assert keys["valueFrom"] == {"secretKeyRef": {"name": "megaserve-api-keys", "key": "keys"}}
+
+
 def test_head_has_no_gpus_and_takes_no_replicas():
     head = _cluster()["headGroupSpec"]
     assert _gpus(head["template"]["spec"]) == 0
