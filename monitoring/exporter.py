@@ -70,6 +70,7 @@ def _registry() -> CollectorRegistry:
 def _serve_forever(host: str, port: int, retry_seconds: float) -> None:
     registry = _registry()
     handler = MetricsHandler.factory(registry)
+    waiting = False
     while True:
         try:
             server = ThreadingHTTPServer((host, port), handler)
@@ -77,7 +78,11 @@ def _serve_forever(host: str, port: int, retry_seconds: float) -> None:
             if error.errno != errno.EADDRINUSE:  # a wrong host or a privileged port: no retry helps
                 log.error("cannot serve node metrics on %s:%d: %s", host, port, error)
                 return
-            time.sleep(retry_seconds)  # another process on this node holds the port: wait to take over
+            if not waiting:  # said once: normally another megaserve process of this node holds it
+                log.info("node metrics port %s:%d is taken; taking it over when it frees up (if no "
+                         "megaserve process on this node serves it, another program holds it)", host, port)
+                waiting = True
+            time.sleep(retry_seconds)
             continue
         log.info("serving node metrics on %s:%d", host, port)
         folder = multiprocess_dir()

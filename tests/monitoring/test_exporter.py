@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -96,3 +97,15 @@ def test_a_host_it_cannot_bind_is_logged_once_not_retried(caplog):
         time.sleep(0.3)  # several retry periods
     assert len(caplog.records) == 1
     assert f"cannot serve node metrics on {UNASSIGNED_ADDRESS}" in caplog.records[0].getMessage()
+
+
+def test_a_port_held_by_another_program_is_logged_once_while_it_waits(caplog):
+    with socket.socket() as holder, caplog.at_level(logging.INFO, logger="megaserve.monitoring.exporter"):
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start_node_exporter("127.0.0.1", port, retry_seconds=0.05)
+        wait_until(lambda: caplog.records, 10, "the message")
+        time.sleep(0.3)  # several retry periods
+    waiting = [r for r in caplog.records if "is taken" in r.getMessage()]
+    assert len(waiting) == 1 and f"127.0.0.1:{port}" in waiting[0].getMessage()
