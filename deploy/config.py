@@ -27,7 +27,7 @@ SGLANG_ONLY_FIELDS = {"sglang_metrics", "sglang_mem_fraction_static", "sglang_ar
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # no true as 1, no "2" as 2
 
 
 def _absolute(path: str) -> str:

@@ -55,6 +55,8 @@ def test_every_field_has_a_description():
     ({"model": {"path": "models/llama"}}, "model.path\n.*must be an absolute path"),
     ({"metrics": {"multiproc_dir": ""}}, "metrics.multiproc_dir\n.*must be an absolute path"),
     ({"metrics": {"multiproc_dir": "~/metrics"}}, "metrics.multiproc_dir\n.*must be an absolute path"),
+    ({"latency": {"num_replicas": True}}, "latency.num_replicas\n  Input should be a valid integer"),
+    ({"throughput": {"max_batch": "8"}}, "throughput.max_batch\n  Input should be a valid integer"),
 ])
 def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
     with pytest.raises(ValidationError, match=message):
