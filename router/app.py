@@ -50,6 +50,9 @@ JSON_MEDIA_TYPES = ("application/json",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"; nobody reads it
 SPILLOVER_PRIORITY = 1  # queue position in the throughput engine of work that asked for latency
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+# OpenAI's default max_tokens for the legacy /v1/completions, kept by vLLM and SGLang; chat's default is
+# instead the room left in the context, as in vLLM.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 UNION_TAG_TYPES = {"str", "int", "float", "bool"}
 
 log = logging.getLogger(__name__)
@@ -197,16 +200,17 @@ class _Router:
 
     def _sampling(self, body: GenerationRequest, prompt_tokens: int) -> SamplingParams:
         context = self.settings.max_context
+        chat = isinstance(body, ChatCompletionRequest)
         if prompt_tokens >= context:
             raise invalid(f"the prompt has {prompt_tokens} tokens but the model's context is {context}; "
-                          "shorten it", "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                          "context_length_exceeded")
+                          "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
         room = context - prompt_tokens
-        max_tokens = body.requested_max_tokens or room
+        requested = body.requested_max_tokens
+        max_tokens = requested or (room if chat else COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens > room:
-            field = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
-                     and body.max_completion_tokens is not None else "max_tokens")
-            raise invalid(f"{field} is {max_tokens} but the prompt ({prompt_tokens} tokens) leaves room for "
+            field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+            given = "" if requested else " (the default)"
+            raise invalid(f"{field} is {max_tokens}{given} but the prompt ({prompt_tokens} tokens) leaves room for "
                           f"{room} in the model's context of {context}", field, "context_length_exceeded")
         stop_ids = tuple(body.stop_token_ids or ())  # the engines add the model's eos ids themselves
         self._check_token_ids(list(stop_ids), "stop_token_ids")

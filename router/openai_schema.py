@@ -1,14 +1,16 @@
 """The OpenAI wire format of /v1/chat/completions, /v1/completions and /v1/models.
 
 Requests are validated strictly (a string where a number belongs is an error, not a guess);
-fields OpenAI defines that megaserve does not implement, and vLLM's sampling extensions it does
-not implement, are refused by name when set to anything but their neutral value, rather than
-silently ignored; fields nobody defines are ignored, as OpenAI does. Extensions, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`. Responses also carry
-`timing` (seconds), which OpenAI's clients keep as an extra attribute.
+fields OpenAI defines that megaserve does not implement, and vLLM's and SGLang's extensions it does
+not implement, are refused by name when set to anything but their neutral value (or, for a switch
+megaserve implements one way only, to anything but that way), rather than silently ignored; fields
+nobody defines are ignored, as OpenAI does. Extensions, as in vLLM: `top_k`, `stop_token_ids`,
+`ignore_eos`. Responses also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal
 
@@ -52,7 +54,7 @@ class ChatMessage(_Request):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content)
+        return "\n".join(part.text or "" for part in self.content)  # as vLLM joins them
 
     def template_role(self) -> str:
         """OpenAI's `developer` is the `system` role of every open chat template."""
@@ -93,6 +95,23 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    "structured_outputs": (None,),  # vLLM >= 0.10.2: replaces the guided_* fields
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    # SGLang's extensions, likewise
+    "regex": (None,),
+    "ebnf": (None,),
+    "json_schema": (None,),
+    "no_stop_trim": (None, False),
+    "lora_path": (None,),
+}
+
+# Chat-only fields: OpenAI's, then vLLM's and SGLang's chat template controls.
+_CHAT_UNSUPPORTED_NEUTRAL: dict[str, Any] = _UNSUPPORTED_NEUTRAL | {
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
 }
 
 
@@ -100,6 +119,8 @@ class GenerationRequest(_Request):
     """The sampling fields both endpoints share."""
 
     unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL
+    # vLLM's and SGLang's switches megaserve implements one way only, the endpoint's: null means that way too.
+    implemented_only_as: ClassVar[dict[str, Any]] = {}
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
@@ -123,6 +144,11 @@ class GenerationRequest(_Request):
                 if name in data and data[name] not in neutral:
                     raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server",
                                               {"name": name})
+            for name, value in cls.implemented_only_as.items():
+                if data.get(name) not in (None, value):
+                    raise PydanticCustomError(UNSUPPORTED_PARAMETER,
+                                              "`{name}` is not supported by this server except as {value}",
+                                              {"name": name, "value": json.dumps(value)})
         return data
 
     @field_validator("stream_options")
@@ -165,6 +191,14 @@ class GenerationRequest(_Request):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    unsupported_neutral: ClassVar[dict[str, Any]] = _CHAT_UNSUPPORTED_NEUTRAL
+    # The template is applied with the assistant's turn opened, and writes the special tokens itself.
+    implemented_only_as: ClassVar[dict[str, Any]] = {
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "add_special_tokens": False,
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
@@ -177,6 +211,8 @@ class ChatCompletionRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     # The legacy endpoint's `logprobs` is a count, and 0 asks for the sampled tokens' logprobs.
     unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL | {"logprobs": (None,)}
+    # A text prompt is tokenized with the tokenizer's special tokens (BOS), as vLLM's default.
+    implemented_only_as: ClassVar[dict[str, Any]] = {"add_special_tokens": True}
 
     prompt: str | list[int] | list[str] | list[list[int]]
 

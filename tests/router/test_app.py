@@ -18,6 +18,7 @@ from .conftest import LATENCY_MAX_PROMPT_TOKENS, MODEL, router_settings, running
 HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SHORT_CONTEXT = 64  # a model's max_position_embeddings below the settings' max_context
+OPENAI_COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens in OpenAI's API reference
 
 
 def sse_payloads(response: httpx.Response) -> list:
@@ -144,6 +145,38 @@ def test_prompt_as_token_ids(router_url, tokenizer):
                          json={"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, **GREEDY}).json()
     assert by_ids["usage"]["prompt_tokens"] == len(ids)
     assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
+def test_completions_default_to_16_tokens_and_chat_to_the_room_left(serve_router, engines):
+    url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()}, max_context=SHORT_CONTEXT)
+    completion = httpx.post(f"{url}/v1/completions",
+                            json={"model": MODEL, "prompt": "The quick brown fox", **GREEDY}).json()
+    assert completion["usage"]["completion_tokens"] == OPENAI_COMPLETION_MAX_TOKENS
+    assert completion["choices"][0]["finish_reason"] == "length"
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **GREEDY}).json()
+    assert chat["usage"]["total_tokens"] == SHORT_CONTEXT
+    assert chat["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_default_max_tokens_must_fit_in_the_context(serve_router, engines, tokenizer):
+    url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()}, max_context=SHORT_CONTEXT)
+    prompt = tokenizer.encode("hi", add_special_tokens=False)[:1] * (SHORT_CONTEXT - OPENAI_COMPLETION_MAX_TOKENS + 1)
+    response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    assert f"max_tokens is {OPENAI_COMPLETION_MAX_TOKENS} (the default)" in error["message"]
+
+
+def test_text_parts_of_a_message_are_joined_with_newlines_as_in_vllm(router_url):
+    def answer(content):
+        request = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **GREEDY}
+        body = httpx.post(f"{router_url}/v1/chat/completions", json=request).json()
+        return body["usage"]["prompt_tokens"], body["choices"][0]["message"]["content"]
+
+    parts = answer([{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}])
+    assert parts == answer("Hello\nworld")
+    assert parts != answer("Helloworld")
 
 
 def test_models_and_health(router_url):

@@ -64,6 +64,23 @@ BAD_REQUESTS = {
     "vLLM's repetition_penalty": (CHAT, chat(repetition_penalty=1.3), 400, "repetition_penalty"),
     "vLLM's min_tokens": (COMPLETIONS, completion(min_tokens=5), 400, "min_tokens"),
     "vLLM's guided_choice": (CHAT, chat(guided_choice=["yes", "no"]), 400, "guided_choice"),
+    "vLLM's structured_outputs": (COMPLETIONS, completion(structured_outputs={"regex": "[0-9]+"}), 400,
+                                  "structured_outputs"),
+    "vLLM's logits_processors": (COMPLETIONS, completion(logits_processors=["x"]), 400, "logits_processors"),
+    "vLLM's add_special_tokens off for a prompt": (COMPLETIONS, completion(add_special_tokens=False), 400,
+                                                   "add_special_tokens"),
+    "vLLM's add_special_tokens on for chat": (CHAT, chat(add_special_tokens=True), 400, "add_special_tokens"),
+    "vLLM's chat_template": (CHAT, chat(chat_template="{{ messages[0]['content'] }}"), 400, "chat_template"),
+    "vLLM's chat_template_kwargs": (CHAT, chat(chat_template_kwargs={"enable_thinking": False}), 400,
+                                    "chat_template_kwargs"),
+    "vLLM's add_generation_prompt off": (CHAT, chat(add_generation_prompt=False), 400, "add_generation_prompt"),
+    "vLLM's continue_final_message on": (CHAT, chat(continue_final_message=True), 400, "continue_final_message"),
+    "OpenAI's reasoning_effort": (CHAT, chat(reasoning_effort="low"), 400, "reasoning_effort"),
+    "SGLang's regex": (COMPLETIONS, completion(regex="[0-9]+"), 400, "regex"),
+    "SGLang's ebnf": (COMPLETIONS, completion(ebnf='root ::= "a"'), 400, "ebnf"),
+    "SGLang's json_schema": (CHAT, chat(json_schema="{}"), 400, "json_schema"),
+    "SGLang's no_stop_trim": (COMPLETIONS, completion(no_stop_trim=True), 400, "no_stop_trim"),
+    "SGLang's lora_path": (CHAT, chat(lora_path="adapter"), 400, "lora_path"),
     "stream_options without stream": (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
 }
 
@@ -88,6 +105,22 @@ def test_an_unsupported_field_is_named_as_the_error_s_param_and_code(router_url)
     error = httpx.post(router_url + COMPLETIONS, content=completion(echo=True)).json()["error"]
     assert error == {"message": "`echo` is not supported by this server", "type": "invalid_request_error",
                      "param": "echo", "code": "unsupported_parameter"}
+
+
+def test_a_switch_implemented_one_way_is_refused_the_other_way_saying_which(router_url):
+    error = httpx.post(router_url + CHAT, content=chat(add_generation_prompt=False)).json()["error"]
+    assert error == {"message": "`add_generation_prompt` is not supported by this server except as true",
+                     "type": "invalid_request_error", "param": "add_generation_prompt",
+                     "code": "unsupported_parameter"}
+
+
+def test_neutral_values_of_refused_fields_are_served(router_url):
+    for path, content in ((CHAT, chat(max_tokens=1, add_generation_prompt=True, continue_final_message=False,
+                                      add_special_tokens=False, chat_template_kwargs={}, logits_processors=[],
+                                      no_stop_trim=False, reasoning_effort=None)),
+                          (COMPLETIONS, completion(max_tokens=1, add_special_tokens=True, regex=None))):
+        response = httpx.post(router_url + path, content=content)
+        assert response.status_code == 200, response.text
 
 
 def test_unknown_fields_are_ignored(router_url):
