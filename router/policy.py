@@ -15,7 +15,7 @@ against the tier's capacity, scaled by the share of the tier's replicas that are
 of two latency replicas restarting, one request runs there and the next spills over instead of
 queueing behind the restart at the replica's handle). A latency request that finds no free slot waits up to
 `latency_wait_seconds` in FIFO order, then spills over to throughput (reason "spillover") if
-`spillover` is on, else is refused. Throughput never spills to latency: a batch-1 replica is too
+`spillover` is on and throughput has a healthy replica, else is refused as latency's. Throughput never spills to latency: a batch-1 replica is too
 precious for work that asked for bulk service. A deployment of one tier serves every request on
 that tier (reason "only_tier" when it asked for the other). Refusals: 429 when the slots are
 taken, 503 when the tier has no healthy replica, both with Retry-After; 400 when `n` is more than
@@ -182,10 +182,11 @@ class Admission:
             healthy = await self.healthy(Tier.LATENCY)
             if healthy and await self._take(Tier.LATENCY, slots):
                 return self._routed(route, slots)
-            if not (self.settings.spillover and self.deployed(Tier.THROUGHPUT)):
+            if not (self.settings.spillover and self.deployed(Tier.THROUGHPUT) and await self.healthy(Tier.THROUGHPUT)):
+                # nowhere to spill over to: the latency tier's own answer (429 when it is only busy)
                 raise self._refusal(Tier.LATENCY, slots, unavailable=not healthy)
             route = Route(Tier.THROUGHPUT, "spillover")
-        if not await self.healthy(Tier.THROUGHPUT):
+        elif not await self.healthy(Tier.THROUGHPUT):
             raise self._refusal(Tier.THROUGHPUT, slots, unavailable=True)
         if await self._take(Tier.THROUGHPUT, slots):
             return self._routed(route, slots)

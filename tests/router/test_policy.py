@@ -140,6 +140,13 @@ async def test_a_tier_without_healthy_replicas_is_503_or_spilled(demo_model_dir,
     with pytest.raises(APIError) as caught:
         await Admission(settings(spillover=False), dead_latency).admit(Route(Tier.LATENCY, "policy"), 1)
     assert caught.value.status == 503 and caught.value.headers["Retry-After"] == "3"
+    dead_throughput = {Tier.LATENCY: EngineBackend(engines[Tier.LATENCY]), Tier.THROUGHPUT: EngineBackend(stopped)}
+    admission = Admission(settings(), dead_throughput)
+    lease = await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    with pytest.raises(APIError) as caught:  # latency is only busy, and there is nowhere to spill over to
+        await admission.admit(Route(Tier.LATENCY, "policy"), 1)
+    assert caught.value.status == 429 and "latency tier is at capacity" in caught.value.message
+    lease.release()
     only_dead = {Tier.THROUGHPUT: EngineBackend(stopped)}
     with pytest.raises(APIError) as caught:
         await Admission(settings(), only_dead).admit(Route(Tier.THROUGHPUT, "policy"), 1)
