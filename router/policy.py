@@ -15,11 +15,11 @@ against the tier's capacity, scaled by the share of the tier's replicas that are
 of two latency replicas restarting, one request runs there and the next spills over instead of
 queueing behind the restart at the replica's handle). A latency request that finds no free slot waits up to
 `latency_wait_seconds` in FIFO order, then spills over to throughput (reason "spillover") if
-`spillover` is on and throughput has a healthy replica, else is refused as latency's. Throughput never spills to latency: a batch-1 replica is too
-precious for work that asked for bulk service. A deployment of one tier serves every request on
-that tier (reason "only_tier" when it asked for the other). Refusals: 429 when the slots are
-taken, 503 when the tier has no healthy replica, both with Retry-After; 400 when `n` is more than
-the tier ever runs at once.
+`spillover` is on and throughput has a healthy replica, else is refused as latency's. Throughput
+never spills to latency: a batch-1 replica is too precious for work that asked for bulk service. A
+deployment of one tier serves every request on that tier (reason "only_tier" when it asked for the
+other). Refusals: 429 when the slots are taken, 503 when the tier has no healthy replica, both with
+Retry-After; 400 when `n` is more than the tier ever runs at once.
 """
 
 from __future__ import annotations
