@@ -222,7 +222,8 @@ async def test_a_replica_dying_mid_stream_ends_it_with_an_error_event(live_stack
                     events.append(line[len("data: "):])
                     if len(events) == 1:
                         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
-        error = json.loads(events[-1])["error"]
+        assert events[-1] == "[DONE]"  # after the error event, as after any stream
+        error = json.loads(events[-2])["error"]
         assert "replica died" in error["message"] and error["type"]
         # Serve replaces the replica; the latency tier serves again (later tests need it).
         deadline = time.monotonic() + 120
