@@ -2,7 +2,8 @@
 MegakernelEngine): validation at the call, a stream per request that follows the yield rule,
 queueing by priority, health, and the request record the step thread works on.
 
-A subclass sets `vocab_size`, `max_context`, `eos_ids` and `coalesce`, calls
+A subclass sets `vocab_size`, `max_context`, `eos_ids`, `coalesce` and `metrics` (its
+EngineMetrics, whose step records are also health's sign of progress), calls
 `_start_step_thread(name)` last in its constructor, and implements `_step_loop` (returns once the
 queue is closed), `_abort_all` (ends every stream it still holds) and `_running_count`. A step
 that raises ends the engine: the streams end with ABORT and the error, and health turns
@@ -22,9 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from ..protocol import CoalescePolicy, Engine, EngineError, EngineHealth, GenerateRequest, StepOutput
+from .engine_metrics import EngineMetrics
 from .stream import RequestQueue, TokenStream
 
 logger = logging.getLogger(__name__)
+# A running request with no step finished for this long means the step thread is wedged (a hung
+# kernel, a device sync that never returns): health turns unhealthy, so Serve replaces the replica
+# instead of counting its slot forever. Far above any one step: a GPU prefill of a whole context
+# takes seconds, a decode step milliseconds.
+STALL_SECONDS = 120.0
 
 
 @dataclass(eq=False)
@@ -46,6 +53,7 @@ class Admission:
 class StepThreadEngine(Engine):
     eos_ids: frozenset[int]
     coalesce: CoalescePolicy
+    metrics: EngineMetrics
 
     def _start_step_thread(self, name: str) -> None:
         self._queue: RequestQueue[Admission] = RequestQueue()
@@ -93,9 +101,12 @@ class StepThreadEngine(Engine):
 
     async def health(self) -> EngineHealth:
         alive = self._thread.is_alive()
+        stalled = self.metrics.seconds_without_progress()
         detail = self._failure or ("" if alive else "the engine is shut down")
+        if stalled > STALL_SECONDS and not detail:
+            detail = f"no step finished for {stalled:.0f} s with {self._running_count()} request(s) running"
         return EngineHealth(
-            healthy=alive and self._failure is None, detail=detail,
+            healthy=not detail, detail=detail,
             running_requests=self._running_count(),
             # a request whose client left stays queued until a slot pops it: it is not waiting
             waiting_requests=self._queue.count(lambda item: not item.stream.cancelled),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
@@ -323,6 +324,28 @@ async def test_a_failed_step_aborts_with_the_error_and_reports_unhealthy(make_en
     assert items[-1].finish_reason == FinishReason.ABORT and "engine step failed" in items[-1].error
     health = await engine.health()
     assert not health.healthy and "engine step failed" in health.detail
+
+
+async def test_a_wedged_step_reports_unhealthy_until_steps_move_again(make_engine, monkeypatch):
+    from megaserve.replicas.engines import threaded
+
+    monkeypatch.setattr(threaded, "STALL_SECONDS", 0.2)
+    engine = make_engine()
+    forward, wedged = engine.model.forward, threading.Event()
+
+    def hanging_forward(*args, **kwargs):  # a kernel that never returns, until the test lets it
+        wedged.wait()
+        return forward(*args, **kwargs)
+
+    engine.model.forward = hanging_forward
+    generation = asyncio.ensure_future(_collect(engine, _request(_prompt(4, 22), max_tokens=3)))
+    await asyncio.sleep(0.5)
+    health = await engine.health()
+    assert not health.healthy and "no step finished for" in health.detail and "1 request(s) running" in health.detail
+    wedged.set()
+    items = await asyncio.wait_for(generation, 10)
+    assert items[-1].finish_reason == FinishReason.LENGTH
+    assert (await engine.health()).healthy  # idle: nothing is waiting on a step
 
 
 async def test_launches_per_step_are_measured_and_grow_with_depth(make_engine, tmp_path):
