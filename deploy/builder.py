@@ -197,6 +197,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         tier = config.latency
         latency = LatencyReplica.options(
             num_replicas=tier.num_replicas,
+            graceful_shutdown_timeout_s=tier.graceful_shutdown_seconds,
             ray_actor_options=_actor_options(tier, process_env),
             **_placement(tier),
         ).bind(_replica_spec(Tier.LATENCY, tier, tier.resolved_engine, 1, config, env,
@@ -208,13 +209,17 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         throughput = ThroughputReplica.options(
             num_replicas=tier.num_replicas,
             max_ongoing_requests=tier.max_ongoing_requests,
+            graceful_shutdown_timeout_s=tier.graceful_shutdown_seconds,
             ray_actor_options=_actor_options(tier, process_env),
             **_placement(tier),
         ).bind(_replica_spec(Tier.THROUGHPUT, tier, tier.engine, tier.max_batch, config, env,
                             directory))
 
+    tiers = [tier for tier in (config.latency, config.throughput) if tier.enabled]
     return RouterDeployment.options(
         num_replicas=config.routing.router_replicas,
+        # a router's streams last as long as its tiers' generations
+        graceful_shutdown_timeout_s=max(tier.graceful_shutdown_seconds for tier in tiers),
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": process_env}},
     ).bind(router_settings(config, env, directory), latency, throughput, config.metrics.bind_host,
            config.metrics.port)

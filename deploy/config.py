@@ -22,8 +22,12 @@ from megaserve.router.settings import (
 )
 
 DEMO_MODEL_NAME = "megaserve-demo"
+# Longer than a whole 32K-token generation at the megakernel's 8B step time (~4 ms, docs/perf.md);
+# raise it for longer generations, or a batched tier's slower steps.
+DEFAULT_GRACEFUL_SHUTDOWN_SECONDS = 300.0
 DEFAULT_COALESCE = CoalescePolicy()  # the engines' own yield rule, unless a tier sets its own
-SGLANG_ONLY_FIELDS = {"sglang_metrics", "sglang_mem_fraction_static", "sglang_args"}  # throughput fields for engine sglang alone
+# throughput fields for engine sglang alone
+SGLANG_ONLY_FIELDS = {"sglang_metrics", "sglang_mem_fraction_static", "sglang_args"}
 
 
 class _Strict(BaseModel):
@@ -95,6 +99,13 @@ class TierCommon(_Strict):
     )
     coalesce_tokens: int = Field(
         DEFAULT_COALESCE.tokens, ge=1, description="Or as soon as this many tokens are pending."
+    )
+    graceful_shutdown_seconds: float = Field(
+        DEFAULT_GRACEFUL_SHUTDOWN_SECONDS, gt=0,
+        description="How long a stopping replica (a rolling update, a scale-down, `serve shutdown`, a "
+        "drained node) lets its running generations finish before Serve kills it: at least the longest "
+        "generation (max_seq_len tokens at the tier's step time). The router waits as long as the "
+        "longest of its tiers. Serve's own default, 20 s, cut longer generations off.",
     )
 
     @model_validator(mode="after")

@@ -131,3 +131,15 @@ def test_engine_settings_per_engine(tmp_path):
     torch_settings = builder._engine_settings(builder.Tier.THROUGHPUT, config.throughput, config, env,
                                               "torch", 8)
     assert torch_settings["max_batch"] == 8 and torch_settings["tier"] == "throughput"
+
+
+def test_replicas_and_routers_let_running_generations_finish_when_they_stop(tmp_path):
+    app = builder.build_app({"model": {"path": str(tmp_path)}, "latency": {"graceful_shutdown_seconds": 90},
+                             "throughput": {"graceful_shutdown_seconds": 600}})
+    router = app._bound_deployment
+    _, latency, throughput = router.init_args[:3]
+    timeout = {name: deployment._deployment_config.graceful_shutdown_timeout_s for name, deployment in (
+        ("router", router), ("latency", latency._bound_deployment), ("throughput", throughput._bound_deployment))}
+    assert timeout == {"latency": 90, "throughput": 600, "router": 600}  # the router outlasts its tiers' streams
+    default = builder.build_app({"model": {"path": str(tmp_path)}})._bound_deployment
+    assert default._deployment_config.graceful_shutdown_timeout_s == 300  # Serve's own 20 s cut generations off
