@@ -231,8 +231,9 @@ class Routing(_Strict):
     )
     router_replicas: int = Field(
         1, ge=1, description="Router (HTTP ingress) replicas. Each admits its share of every tier's "
-        "capacity, rounded up (so that each can use every tier): with more routers than latency "
-        "replicas, a batch-1 replica may get a second request, which then waits behind the first.",
+        "capacity, rounded up (so that each can use every tier): unless the latency replicas split "
+        "evenly over the routers (say 3 over 2), a batch-1 replica may get a second request, which "
+        "then waits behind the first instead of spilling over.",
     )
 
 
