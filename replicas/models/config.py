@@ -22,6 +22,8 @@ from typing import Any
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILE = "tokenizer.json"
 
 # Hugging Face architecture name -> our family name.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -74,18 +76,19 @@ class ModelConfig:
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         """Read `path/config.json` of a Llama 3 or Qwen3 dense checkpoint. End-of-sequence ids
-        are the union of config.json's and generation_config.json's, as transformers and vLLM
-        stop on both (Llama 3 Instruct lists <|eot_id|> only in the latter)."""
+        are the union of config.json's, generation_config.json's and the tokenizer's `eos_token`,
+        as vLLM stops on all three (Llama 3 Instruct lists <|eot_id|> only in generation_config;
+        a fine-tune often sets its chat end, <|im_end|> say, only as the tokenizer's eos)."""
         config_path = Path(path) / CONFIG_FILE
         if not config_path.is_file():
             raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
         config = cls.from_hf_dict(json.loads(config_path.read_text()))
         generation_path = Path(path) / GENERATION_CONFIG_FILE
+        extra = _tokenizer_eos_id(Path(path))
         if generation_path.is_file():
-            extra = _token_ids(json.loads(generation_path.read_text()).get("eos_token_id"))
-            merged = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
-            config = dataclasses.replace(config, eos_token_ids=merged)
-        return config
+            extra = _token_ids(json.loads(generation_path.read_text()).get("eos_token_id")) + extra
+        merged = config.eos_token_ids + tuple(dict.fromkeys(t for t in extra if t not in config.eos_token_ids))
+        return dataclasses.replace(config, eos_token_ids=merged)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -168,6 +171,21 @@ def _rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict | None
     scaling = {"rope_type": LLAMA3_ROPE_TYPE, **{key: params[key] for key in LLAMA3_ROPE_KEYS}}
     scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
     return theta, scaling
+
+
+def _tokenizer_eos_id(path: Path) -> tuple[int, ...]:
+    """The id of tokenizer_config.json's `eos_token` in tokenizer.json (a special token is one of
+    its added tokens), or () where either file or the token is missing."""
+    if not (path / TOKENIZER_CONFIG_FILE).is_file() or not (path / TOKENIZER_FILE).is_file():
+        return ()
+    eos = json.loads((path / TOKENIZER_CONFIG_FILE).read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos  # an AddedToken dict, or the text
+    tokenizer = json.loads((path / TOKENIZER_FILE).read_text())
+    ids = [token["id"] for token in tokenizer.get("added_tokens", []) if token.get("content") == eos]
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if not ids and isinstance(vocab, dict) and eos in vocab:
+        ids = [vocab[eos]]
+    return tuple(ids[:1]) if eos is not None else ()
 
 
 def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:

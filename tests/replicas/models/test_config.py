@@ -200,3 +200,16 @@ def test_eos_ids_include_generation_config_ones(tmp_path):
     generation = {"eos_token_id": [config_eos[0], 5, 6]}
     (path / "generation_config.json").write_text(json.dumps(generation))
     assert ModelConfig.from_hf_dir(path).eos_token_ids == config_eos + (5, 6)
+
+
+def test_eos_ids_include_the_tokenizer_s_eos_token(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "llama")
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    chat_end = next(t for t in tokenizer["added_tokens"] if t["content"] != json.loads(
+        (path / "tokenizer_config.json").read_text())["eos_token"])  # another special token
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(settings | {"eos_token": chat_end["content"]}))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"eos_token_id": 0}))  # a base model's id
+    (path / "generation_config.json").unlink()
+    assert ModelConfig.from_hf_dir(path).eos_token_ids == (0, chat_end["id"])  # as vLLM stops on both
