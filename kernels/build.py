@@ -8,6 +8,7 @@ own hash, so that a truncated or corrupt entry is detected and rebuilt rather th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -98,9 +99,14 @@ def supported_archs() -> tuple[str, ...]:
     return tuple(f"sm_{arch}" for arch in archs[:count])
 
 
+MIN_COMPUTE_CAPABILITY = (9, 0)  # the kernel uses Hopper's bulk async copies and arch-specific targets
+
+
 def arch_for(compute_capability: tuple[int, int]) -> str:
     """The arch-specific target of a device: sm_90a on Hopper, sm_100a / sm_103a on Blackwell."""
     major, minor = compute_capability
+    if (major, minor) < MIN_COMPUTE_CAPABILITY:
+        raise KernelBuildError(f"the megakernel needs a Hopper or newer GPU (sm_90+); this one is sm_{major}{minor}")
     return f"sm_{major}{minor}a"
 
 
@@ -145,13 +151,38 @@ def resource_usage(
     return ResourceUsage(int(registers.group(1)), stack, stores, loads, int(shared.group(1)))
 
 
-def _options(arch: str, source_dir: Path, ptxas_verbose: bool = False) -> ProgramOptions:
-    libraries = ("cudart", "cccl")
-    include_dirs = [cuda.pathfinder.find_nvidia_header_directory(lib) for lib in libraries]
-    missing = [lib for lib, path in zip(libraries, include_dirs, strict=True) if path is None]
+# Per header library the kernels include from, the files that identify its version: the headers
+# the sources include themselves and the library's version header. (cudart and cccl upgrade apart
+# from NVRTC, and a cubin compiled against other headers must not be reused.)
+VERSIONED_HEADERS = {
+    "cudart": ("cuda_runtime_api.h", "cuda_bf16.h", "cuda_bf16.hpp"),
+    "cccl": ("cuda/std/__cccl/version.h", "cuda/std/limits"),
+}
+
+
+@functools.cache
+def _include_dirs() -> tuple[str, ...]:
+    include_dirs = [cuda.pathfinder.find_nvidia_header_directory(lib) for lib in VERSIONED_HEADERS]
+    missing = [lib for lib, path in zip(VERSIONED_HEADERS, include_dirs, strict=True) if path is None]
     if missing:
         raise KernelBuildError(f"CUDA headers not found for {missing}: install cuda-toolkit[cudart,cccl]")
-    return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(source_dir), *include_dirs],
+    return tuple(include_dirs)
+
+
+@functools.cache
+def headers_fingerprint() -> str:
+    """A digest of where the CUDA headers are and of their versioned files (VERSIONED_HEADERS)."""
+    digest = hashlib.sha256()
+    for directory, files in zip(_include_dirs(), VERSIONED_HEADERS.values(), strict=True):
+        digest.update(directory.encode() + b"\0")
+        for name in files:
+            path = Path(directory) / name
+            digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"(none)") + b"\0")
+    return digest.hexdigest()
+
+
+def _options(arch: str, source_dir: Path, ptxas_verbose: bool = False) -> ProgramOptions:
+    return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(source_dir), *_include_dirs()],
                           ptxas_options=["-v"] if ptxas_verbose else None)
 
 
@@ -159,7 +190,7 @@ def cache_key(sources: dict[str, str], arch: str, name_expression: str) -> str:
     digest = hashlib.sha256()
     for name, text in sorted(sources.items()):
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
-    for part in (arch, name_expression, CXX_STANDARD, nvrtc_version(), str(CACHE_FORMAT)):
+    for part in (arch, name_expression, CXX_STANDARD, nvrtc_version(), headers_fingerprint(), str(CACHE_FORMAT)):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()
 

@@ -135,6 +135,23 @@ def test_changed_source_changes_the_key():
     assert cache_key(edited, HOPPER, name) != cache_key(sources, HOPPER, name)
 
 
+def test_other_cuda_headers_change_the_key(tmp_path, monkeypatch):
+    from megaserve.kernels import build
+
+    sources, name = source_files(), TINY.kernel_name(False)
+    before = cache_key(sources, HOPPER, name)
+    headers = tmp_path / "include"  # a cudart of another version: another cuda_bf16.h
+    headers.mkdir()
+    (headers / "cuda_bf16.h").write_text("// another release\n")
+    cccl = build._include_dirs()[1]
+    monkeypatch.setattr(build, "_include_dirs", lambda: (str(headers), cccl))
+    build.headers_fingerprint.cache_clear()
+    try:
+        assert cache_key(sources, HOPPER, name) != before
+    finally:
+        build.headers_fingerprint.cache_clear()
+
+
 @pytest.mark.parametrize("damage", ["truncate-cubin", "garbage-record", "other-symbol"])
 def test_corrupt_entry_is_rebuilt(tmp_path, damage):
     cache = KernelCache(tmp_path)
@@ -195,3 +212,12 @@ def test_a_folder_without_the_kernel_sources_is_refused(tmp_path):
     (tmp_path / "barrier_probe.cu").write_text("// only the probe\n")
     with pytest.raises(KernelBuildError, match="has no decode_step.cu"):
         KernelCache(tmp_path / "cache", tmp_path)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9)])
+def test_a_gpu_before_hopper_is_refused_by_name(capability):
+    from megaserve.kernels.build import KernelBuildError, arch_for
+
+    with pytest.raises(KernelBuildError, match=f"needs a Hopper or newer GPU .*sm_{capability[0]}{capability[1]}"):
+        arch_for(capability)
+    assert arch_for((9, 0)) == "sm_90a" and arch_for((10, 3)) == "sm_103a"
