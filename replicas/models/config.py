@@ -30,7 +30,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # Defaults of the transformers config classes, for keys a checkpoint may leave out.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    # Qwen3's head_dim is its own (transformers' Qwen3Config: 128), not hidden_size / heads
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
 }
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -114,7 +115,7 @@ class ModelConfig:
             num_layers=int(get("num_hidden_layers")),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            head_dim=int(raw.get("head_dim") or defaults.get("head_dim") or hidden_size // num_heads),
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,

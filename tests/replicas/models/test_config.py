@@ -213,3 +213,13 @@ def test_eos_ids_include_the_tokenizer_s_eos_token(tmp_path):
     (path / "config.json").write_text(json.dumps(config | {"eos_token_id": 0}))  # a base model's id
     (path / "generation_config.json").unlink()
     assert ModelConfig.from_hf_dir(path).eos_token_ids == (0, chat_end["id"])  # as vLLM stops on both
+
+
+def test_a_qwen3_config_without_head_dim_takes_qwen3s_default_not_hidden_over_heads():
+    raw = dict(QWEN3_06B)
+    del raw["head_dim"]
+    raw |= {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert ModelConfig.from_hf_dict(raw).head_dim == 128  # transformers' Qwen3Config default
+    llama = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+             "num_hidden_layers": 1, "num_attention_heads": 4}
+    assert ModelConfig.from_hf_dict(llama).head_dim == 64  # Llama's is hidden_size / heads
