@@ -58,7 +58,10 @@ class Tokenizer:
         path = Path(path)
         if not (path / TOKENIZER_FILE).is_file():
             raise FileNotFoundError(f"no {TOKENIZER_FILE} in {path}")
-        backend = BackendTokenizer.from_file(str(path / TOKENIZER_FILE))
+        try:
+            backend = BackendTokenizer.from_file(str(path / TOKENIZER_FILE))
+        except Exception as error:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise ValueError(f"{path / TOKENIZER_FILE} is not a readable tokenizer: {error}") from None
         config = _read_json(path / TOKENIZER_CONFIG_FILE)
         special_tokens = {
             key: _token_text(config[key]) for key in TEMPLATE_SPECIAL_TOKENS if config.get(key) is not None
@@ -202,6 +205,9 @@ def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
         return (path / CHAT_TEMPLATE_FILE).read_text()
     template = config.get("chat_template")
     if isinstance(template, list):
+        if not all(isinstance(entry, dict) and {"name", "template"} <= entry.keys() for entry in template):
+            raise ChatTemplateError(f"{TOKENIZER_CONFIG_FILE}: a list of chat templates needs a name and a "
+                                    "template in each entry")
         named = {entry["name"]: entry["template"] for entry in template}
         if DEFAULT_TEMPLATE_NAME not in named:
             raise ChatTemplateError(f"{TOKENIZER_CONFIG_FILE} has chat templates {sorted(named)} but no 'default'")

@@ -11,14 +11,14 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match what the config says the model has."""
+    """A checkpoint whose files cannot be read, or whose tensors do not match what the config says."""
 
 
 class Checkpoint:
@@ -44,7 +44,10 @@ def open_checkpoint(path: str | Path) -> Iterator[Checkpoint]:
     with ExitStack() as stack:
         files: dict[str, object] = {}
         for file_name, tensor_names in _shards(path).items():
-            handle = stack.enter_context(safe_open(path / file_name, framework="pt", device="cpu"))
+            try:
+                handle = stack.enter_context(safe_open(path / file_name, framework="pt", device="cpu"))
+            except SafetensorError as error:  # truncated, empty or not safetensors at all
+                raise CheckpointError(f"{path / file_name} is not a readable safetensors file: {error}") from None
             present = set(handle.keys())
             for name in tensor_names if tensor_names is not None else present:
                 if name not in present:
@@ -57,7 +60,13 @@ def _shards(path: Path) -> dict[str, list[str] | None]:
     """File name -> the tensor names the index assigns to it (None: every tensor in the file)."""
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index_path} is not a safetensors index: {type(error).__name__}: {error}"
+                                  ) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index_path}: weight_map must map tensor names to file names")
         shards: dict[str, list[str]] = {}
         for name, file_name in weight_map.items():
             shards.setdefault(file_name, []).append(name)

@@ -4,6 +4,7 @@ incremental detokenizer on text whose characters span several byte-level tokens.
 
 from __future__ import annotations
 
+import json
 import asyncio
 import shutil
 import subprocess
@@ -124,6 +125,17 @@ def test_model_without_chat_template_gets_a_clear_error(demo_dir, tmp_path):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path / "missing")
+
+
+def test_a_damaged_tokenizer_is_one_clear_error(demo_dir, tmp_path):
+    text = (demo_dir / "tokenizer.json").read_text()
+    (tmp_path / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match="tokenizer.json is not a readable tokenizer"):
+        Tokenizer.from_dir(tmp_path)
+    shutil.copy(demo_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"template": "{{ 1 }}"}]}))
+    with pytest.raises(ChatTemplateError, match="needs a name and a template in each entry"):
+        Tokenizer.from_dir(tmp_path)
 
 
 def test_eos_token_ids_gather_generation_config_and_tokenizer(ours, theirs):

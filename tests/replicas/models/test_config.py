@@ -188,6 +188,28 @@ def test_sharded_index_naming_a_missing_shard(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize(("damage", "message"), [
+    ("index-without-weight-map", "is not a safetensors index: KeyError"),
+    ("weight-map-a-list", "weight_map must map tensor names to file names"),
+    ("truncated-shard", "is not a readable safetensors file"),
+    ("empty-shard", "is not a readable safetensors file"),
+])
+def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, damage, message):
+    path = make_tiny_model(tmp_path, "llama", max_shard_size="40KB")
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = path / sorted(set(index["weight_map"].values()))[0]
+    if damage == "index-without-weight-map":
+        index_path.write_text(json.dumps({"metadata": {}}))
+    elif damage == "weight-map-a-list":
+        index_path.write_text(json.dumps({"weight_map": list(index["weight_map"])}))
+    else:
+        shard.write_bytes(shard.read_bytes()[:100] if damage == "truncated-shard" else b"")
+    with pytest.raises(CheckpointError, match=message) as caught:
+        load_model(path)
+    assert str(index_path if "index" in damage or "map" in damage else shard) in str(caught.value)
+
+
 def test_folder_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_06B))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
