@@ -4,8 +4,8 @@ incremental detokenizer on text whose characters span several byte-level tokens.
 
 from __future__ import annotations
 
-import json
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
