@@ -26,6 +26,8 @@ MIN_CTAS = 96  # kMinCtas of decode_step.cu: the MLP slice per CTA in shared mem
 MLP_ROWS_ALIGN = 4  # kMlpRowsAlign
 SHARED_RESERVED = WARPS * (4 + 8 + 8) + 16  # the reduce, best and split_sums arrays beside the union, and alignment
 FLOAT_BYTES = 4
+FOLD_CHUNK = 8  # kFoldChunk of attention.cuh
+FOLD_IN_O_MAX_BYTES = 64 * 1024  # kFoldInOMaxBytes
 BF16_BYTES = 2
 KERNEL_NAME = "megakernel::decode_step"
 SHAPE_TEMPLATE = "megakernel::ModelShape"
@@ -72,6 +74,16 @@ class KernelShape:
             raise UnsupportedShapeError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.head_dim not in HEAD_DIMS:
             raise UnsupportedShapeError(f"head_dim {self.head_dim} is not supported; the kernel handles {HEAD_DIMS}")
+        if self.group > WARP_SIZE:
+            raise UnsupportedShapeError(
+                f"{self.group} query heads per KV head: attention gives each head of a group a lane of a warp, "
+                f"so at most {WARP_SIZE}"
+            )
+        if self.folds_splits_in_o and (self.heads * self.head_dim // 4) % WARP_SIZE:
+            raise UnsupportedShapeError(
+                f"heads x head_dim ({self.heads * self.head_dim}) must be a multiple of {4 * WARP_SIZE} at this "
+                "size: the O stage folds the attention splits with whole heads per warp"
+            )
         for name in ("hidden", "intermediate"):
             if getattr(self, name) % VEC_ELEMS:
                 raise UnsupportedShapeError(
@@ -124,6 +136,13 @@ class KernelShape:
         rounded up to MLP_ROWS_ALIGN."""
         rows = -(-self.intermediate // MIN_CTAS)
         return -(-rows // MLP_ROWS_ALIGN) * MLP_ROWS_ALIGN
+
+    @property
+    def folds_splits_in_o(self) -> bool:
+        """kFoldSplitsInO of attention.cuh: the O stage folds the attention splits as it stages its input."""
+        quads = self.head_dim // 4
+        small = self.heads * self.head_dim * FOLD_CHUNK * FLOAT_BYTES <= FOLD_IN_O_MAX_BYTES
+        return small and FOLD_CHUNK <= quads <= WARP_SIZE
 
     @property
     def shared_bytes(self) -> int:

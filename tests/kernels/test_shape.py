@@ -9,6 +9,8 @@ import pytest
 
 from megaserve.kernels.build import SOURCE_DIR, KernelCache
 from megaserve.kernels.shape import (
+    FOLD_CHUNK,
+    FOLD_IN_O_MAX_BYTES,
     KV_ROW_BYTES_PER_ITER,
     MAX_SPLITS,
     MERGE_ACC_BYTES,
@@ -77,6 +79,8 @@ def test_the_demo_model_runs_on_the_megakernel(tmp_path):
         ({"hidden": 24576}, "shared memory"),
         ({"heads": 16, "kv_heads": 1, "head_dim": 256}, "shared memory"),
         ({"layers": 0}, "layers must be positive"),
+        ({"heads": 5, "kv_heads": 1}, "must be a multiple of 128 at this size"),  # 5 x 64: heads split over warps
+        ({"heads": 64, "kv_heads": 1, "head_dim": 64, "hidden": 256}, "at most 32"),
     ],
 )
 def test_unsupported_shapes_are_refused_clearly(change, message):
@@ -117,6 +121,8 @@ def _kernel_constant(source: str, name: str) -> int:
         (STATIC_SHARED_LIMIT, "decode_step.cu", "kStaticSharedLimit"),
         (MIN_CTAS, "decode_step.cu", "kMinCtas"),
         (MLP_ROWS_ALIGN, "decode_step.cu", "kMlpRowsAlign"),
+        (FOLD_CHUNK, "attention.cuh", "kFoldChunk"),
+        (FOLD_IN_O_MAX_BYTES, "attention.cuh", "kFoldInOMaxBytes"),
     ],
 )
 def test_python_mirrors_match_the_kernel_constants(mirror, source, name):
