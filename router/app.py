@@ -41,7 +41,7 @@ from megaserve.router.openai_schema import (
 )
 from megaserve.router.policy import TIER_HEADER, Admission, Lease, choose_tier
 from megaserve.router.responses import ResponseBuilder, served_tier
-from megaserve.router.settings import RouterSettings, capped_by_model
+from megaserve.router.settings import RouterSettings, capped_by_model, sampling_defaults
 from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
 from megaserve.router.tokenizer import ChatTemplateError, Tokenizer
 
@@ -49,7 +49,6 @@ ROUTE_REASON_HEADER = "x-megaserve-route-reason"
 JSON_MEDIA_TYPES = ("application/json",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"; nobody reads it
 SPILLOVER_PRIORITY = 1  # queue position in the throughput engine of work that asked for latency
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 # OpenAI's default max_tokens for the legacy /v1/completions, kept by vLLM and SGLang; chat's default is
 # instead the room left in the context, as in vLLM.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -85,6 +84,7 @@ class _Router:
         self.backends = backends
         self.tokenizer = tokenizer
         self.admission = Admission(settings, backends)
+        self.sampling_defaults = sampling_defaults(settings.model_dir)
 
     # --- endpoints -------------------------------------------------------------------------
 
@@ -216,9 +216,9 @@ class _Router:
         self._check_token_ids(list(stop_ids), "stop_token_ids")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(body.top_k or 0, 0),
+            temperature=self.sampling_defaults["temperature"] if body.temperature is None else body.temperature,
+            top_p=self.sampling_defaults["top_p"] if body.top_p is None else body.top_p,
+            top_k=self.sampling_defaults["top_k"] if body.top_k is None else max(body.top_k, 0),
             seed=body.seed,
             stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,

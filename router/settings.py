@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# OpenAI's sampling defaults (top_k is an extension: 0 keeps every token), and the range a model's
+# generation_config.json value must be in to replace one.
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (1e-9, 1.0), "top_k": (0, 2**31 - 1)}
 
 # Defaults of the deploy config too (deploy/config.py reads them from here).
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt of plain text fits well below
@@ -32,7 +37,8 @@ class RouterSettings:
     throughput_replicas: int = 1  # the same for throughput_capacity
     api_keys: tuple[str, ...] = ()  # accepted bearer tokens; empty disables auth
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    latency_max_prompt_tokens: int = DEFAULT_LATENCY_MAX_PROMPT_TOKENS  # service_tier "auto": longer prompts go to throughput
+    # service_tier "auto": longer prompts go to throughput
+    latency_max_prompt_tokens: int = DEFAULT_LATENCY_MAX_PROMPT_TOKENS
     latency_wait_seconds: float = DEFAULT_LATENCY_WAIT_SECONDS  # how long a latency request waits for a free slot
     throughput_wait_seconds: float = 0.0  # how long a throughput request waits for a free slot
     spillover: bool = True  # a latency request that waited in vain runs on throughput instead of 429
@@ -74,3 +80,21 @@ def capped_by_model(settings: RouterSettings) -> RouterSettings:
     except (OSError, KeyError, TypeError, ValueError):
         return settings
     return dataclasses.replace(settings, max_context=min(settings.max_context, limit))
+
+
+def sampling_defaults(model_dir: str) -> dict[str, float]:
+    """What a request samples with where it leaves temperature, top_p or top_k out: the model's
+    generation_config.json values, as vLLM applies them by default (`--generation-config auto`;
+    Qwen3 asks for temperature 0.6, top_p 0.95, top_k 20), else OpenAI's defaults. A value of the
+    wrong type or out of range is ignored, as is a file that cannot be read."""
+    try:
+        raw = json.loads((Path(model_dir) / GENERATION_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        raw = {}
+    defaults = dict(OPENAI_SAMPLING_DEFAULTS)
+    for name, (low, high) in SAMPLING_RANGES.items():
+        value = raw.get(name) if isinstance(raw, dict) else None
+        kind = int if name == "top_k" else (int, float)
+        if isinstance(value, kind) and not isinstance(value, bool) and low <= value <= high:
+            defaults[name] = value
+    return defaults
