@@ -293,11 +293,15 @@ def compile_source(source: str, arch: str, name_expression: str, source_dir: Pat
     )
 
 
+CACHE_FILE_MODE = 0o644  # readable by every user of a shared or prebuilt cache (mkstemp makes 0600)
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
+        os.chmod(tmp, CACHE_FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

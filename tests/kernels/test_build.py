@@ -221,3 +221,10 @@ def test_a_gpu_before_hopper_is_refused_by_name(capability):
     with pytest.raises(KernelBuildError, match=f"needs a Hopper or newer GPU .*sm_{capability[0]}{capability[1]}"):
         arch_for(capability)
     assert arch_for((9, 0)) == "sm_90a" and arch_for((10, 3)) == "sm_103a"
+
+
+def test_cache_entries_are_readable_by_other_users_of_the_cache(tmp_path):
+    cache = KernelCache(tmp_path)
+    cache.decode_step(TINY, HOPPER)
+    entries = list(tmp_path.iterdir())
+    assert entries and all(entry.stat().st_mode & 0o044 == 0o044 for entry in entries)  # group and others read
