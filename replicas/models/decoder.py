@@ -33,6 +33,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 EMBED_NAME = "model.embed_tokens.weight"
 FINAL_NORM_NAME = "model.norm.weight"
 LM_HEAD_NAME = "lm_head.weight"
+ROPE_BUFFER_SUFFIX = ".rotary_emb.inv_freq"  # a non-persistent buffer that older transformers saved
 LAYER_PREFIX = "model.layers.{}."
 # Our layer attribute -> its Hugging Face name under LAYER_PREFIX.
 LAYER_NAMES = {
@@ -107,8 +108,11 @@ def load_model(
     with open_checkpoint(path) as checkpoint:
         present = checkpoint.names()
         missing = sorted(set(shapes) - present)
-        # Some exporters also save the head of a tied model; it is the embedding, so unused.
-        unexpected = sorted(present - set(shapes) - ({LM_HEAD_NAME} if config.tie_word_embeddings else set()))
+        # Some exporters also save the head of a tied model; it is the embedding, so unused. Older
+        # exports save each layer's RoPE frequencies too; they follow from the config (vLLM skips them).
+        unused = {LM_HEAD_NAME} if config.tie_word_embeddings else set()
+        unused |= {name for name in present if name.endswith(ROPE_BUFFER_SUFFIX)}
+        unexpected = sorted(present - set(shapes) - unused)
         if missing:
             raise CheckpointError(f"checkpoint in {path} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
         if unexpected:

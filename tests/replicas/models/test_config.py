@@ -161,6 +161,15 @@ def test_unexpected_tensor_is_named(checkpoint):
         load_model(path)
 
 
+def test_saved_rope_frequencies_of_older_exports_are_skipped(checkpoint):
+    path, tensors = checkpoint
+    reference = load_model(path)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # derived from the config
+    save_file(tensors, path / "model.safetensors")
+    model = load_model(path)
+    assert torch.equal(model.rope_inv_freq, reference.rope_inv_freq)
+
+
 def test_misshaped_tensor_is_named(checkpoint):
     path, tensors = checkpoint
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:-1]
