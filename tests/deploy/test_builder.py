@@ -143,3 +143,7 @@ def test_replicas_and_routers_let_running_generations_finish_when_they_stop(tmp_
     assert timeout == {"latency": 90, "throughput": 600, "router": 600}  # the router outlasts its tiers' streams
     default = builder.build_app({"model": {"path": str(tmp_path)}})._bound_deployment
     assert default._deployment_config.graceful_shutdown_timeout_s == 300  # Serve's own 20 s cut generations off
+    for tiers, longest in (({"latency": {"graceful_shutdown_seconds": 900}}, 900),
+                           ({"throughput": {"enabled": False}, "latency": {"graceful_shutdown_seconds": 45}}, 45)):
+        router = builder.build_app({"model": {"path": str(tmp_path)}, **tiers})._bound_deployment
+        assert router._deployment_config.graceful_shutdown_timeout_s == longest

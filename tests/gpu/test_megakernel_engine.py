@@ -77,12 +77,11 @@ def test_one_kernel_launch_per_decode_step(engine):
 
 def test_stop_token_ends_with_stop(engine):
     tokens = [t for o in asyncio.run(collect(engine, greedy_request())) for t in o.token_ids]
-    stop = tokens[5]
+    stop = tokens[1]  # the first decode step's: only one kernel launch before it, for rounding to differ in
     outputs = asyncio.run(collect(engine, greedy_request(stop_token_ids=(stop,))))
     streamed = [t for o in outputs for t in o.token_ids]
-    # the stream ends at the stop token's first appearance and includes it (the tokens before it are
-    # the first run's but where rounding split a near tie: tests/gpu/reference.py)
-    assert streamed[-1] == stop and stop not in streamed[:-1]
+    # the stream ends at the stop token's first appearance and includes it
+    assert streamed[-1] == stop and stop not in streamed[:-1] and len(streamed) <= 2
     assert outputs[-1].finish_reason == FinishReason.STOP
 
 

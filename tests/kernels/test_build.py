@@ -135,18 +135,21 @@ def test_changed_source_changes_the_key():
     assert cache_key(edited, HOPPER, name) != cache_key(sources, HOPPER, name)
 
 
-def test_other_cuda_headers_change_the_key(tmp_path, monkeypatch):
+def test_cuda_headers_upgraded_in_place_change_the_key(tmp_path, monkeypatch):
     from megaserve.kernels import build
 
-    sources, name = source_files(), TINY.kernel_name(False)
-    before = cache_key(sources, HOPPER, name)
-    headers = tmp_path / "include"  # a cudart of another version: another cuda_bf16.h
-    headers.mkdir()
-    (headers / "cuda_bf16.h").write_text("// another release\n")
-    cccl = build._include_dirs()[1]
+    cudart, cccl = build._include_dirs()
+    headers = tmp_path / "include"  # a cudart at a fixed path, upgraded in place (pip upgrades so)
+    for name in build.VERSIONED_HEADERS["cudart"]:
+        (headers / name).parent.mkdir(parents=True, exist_ok=True)
+        (headers / name).write_bytes((Path(cudart) / name).read_bytes())
     monkeypatch.setattr(build, "_include_dirs", lambda: (str(headers), cccl))
-    build.headers_fingerprint.cache_clear()
+    sources, name = source_files(), TINY.kernel_name(False)
     try:
+        build.headers_fingerprint.cache_clear()
+        before = cache_key(sources, HOPPER, name)
+        (headers / "cuda_bf16.h").write_text((headers / "cuda_bf16.h").read_text() + "\n// the next release\n")
+        build.headers_fingerprint.cache_clear()
         assert cache_key(sources, HOPPER, name) != before
     finally:
         build.headers_fingerprint.cache_clear()

@@ -37,3 +37,19 @@ def test_every_label_set_of_the_router_counters_starts_at_zero():
         totals = _totals(counter)
         assert set(totals) == {tuple(sorted((labels | {"model": MODEL}).items())) for labels in label_sets}
         assert set(totals.values()) == {0.0}
+
+
+def test_the_label_values_are_every_one_the_router_uses():
+    """A reason added to the router but not to these constants would start without its zero."""
+    import re
+    from pathlib import Path
+
+    from megaserve.replicas.protocol import FinishReason
+    from megaserve.router import generation
+
+    router = Path(generation.__file__).parent
+    text = "\n".join(path.read_text() for path in router.glob("*.py"))
+    assert set(re.findall(r'Route\(.*, "(\w+)"\)', text)) == set(ROUTE_REASONS)  # one call per line
+    rejections = re.findall(r'reason: str = "(\w+)"|reason="(\w+)"', text)  # the default, and each given
+    assert {value for pair in rejections for value in pair if value} == set(REJECTION_REASONS)
+    assert {reason.value for reason in FinishReason} | {generation.CANCELLED, generation.FAILED} == set(FINISH_REASONS)

@@ -331,18 +331,24 @@ async def test_a_wedged_step_reports_unhealthy_until_steps_move_again(make_engin
 
     monkeypatch.setattr(threaded, "STALL_SECONDS", 0.2)
     engine = make_engine()
-    forward, wedged = engine.model.forward, threading.Event()
+    forward, entered, wedged = engine.model.forward, threading.Event(), threading.Event()
 
     def hanging_forward(*args, **kwargs):  # a kernel that never returns, until the test lets it
+        entered.set()
         wedged.wait()
         return forward(*args, **kwargs)
 
     engine.model.forward = hanging_forward
     generation = asyncio.ensure_future(_collect(engine, _request(_prompt(4, 22), max_tokens=3)))
-    await asyncio.sleep(0.5)
-    health = await engine.health()
-    assert not health.healthy and "no step finished for" in health.detail and "1 request(s) running" in health.detail
-    wedged.set()
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)  # the step thread is inside the forward
+        deadline = time.monotonic() + 10
+        while (health := await engine.health()).healthy:
+            assert time.monotonic() < deadline, "still healthy with a step wedged"
+            await asyncio.sleep(0.05)
+        assert "no step finished for" in health.detail and "1 request(s) running" in health.detail
+    finally:
+        wedged.set()  # whatever failed above, the step thread must not stay blocked
     items = await asyncio.wait_for(generation, 10)
     assert items[-1].finish_reason == FinishReason.LENGTH
     assert (await engine.health()).healthy  # idle: nothing is waiting on a step
