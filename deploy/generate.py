@@ -153,8 +153,10 @@ def _stream_from_server(args: argparse.Namespace, url: str) -> int:
         tier = response.headers.get("x-megaserve-tier", "?")
         for raw in response:
             line = raw.decode().strip()
-            done = done or line == SSE_DATA + "[DONE]"
-            if not line.startswith(SSE_DATA) or line == SSE_DATA + "[DONE]":
+            if line == SSE_DATA + "[DONE]":
+                done = True
+                continue
+            if not line.startswith(SSE_DATA):
                 continue
             chunk = json.loads(line[len(SSE_DATA):])
             if "error" in chunk:  # a failure after the 200: the router's last event
