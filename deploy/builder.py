@@ -131,10 +131,9 @@ def model_dir(config: AppConfig, env: Environment) -> str:
 
 
 def router_settings(config: AppConfig, env: Environment, model_dir: str) -> RouterSettings:
-    """Capacities are per router replica: each router gets an even share of every tier."""
+    """The tiers' whole capacities: each router replica admits its share (RouterSettings.for_router)."""
     tiers = [t for t in (config.latency, config.throughput) if t.enabled]
     max_context = config.model.max_context or min(t.max_seq_len for t in tiers)
-    routers = config.routing.router_replicas
     latency_slots = config.latency.num_replicas if config.latency.enabled else 0
     throughput_slots = (config.throughput.num_replicas * config.throughput.max_ongoing_requests
                         if config.throughput.enabled else 0)
@@ -142,8 +141,8 @@ def router_settings(config: AppConfig, env: Environment, model_dir: str) -> Rout
         model_name=config.model.name,
         model_dir=model_dir,
         max_context=max_context,
-        latency_capacity=-(-latency_slots // routers),
-        throughput_capacity=-(-throughput_slots // routers),
+        latency_capacity=latency_slots,
+        throughput_capacity=throughput_slots,
         latency_replicas=config.latency.num_replicas,
         throughput_replicas=config.throughput.num_replicas,
         api_keys=env.api_keys,

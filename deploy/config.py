@@ -231,9 +231,9 @@ class Routing(_Strict):
     )
     router_replicas: int = Field(
         1, ge=1, description="Router (HTTP ingress) replicas. Each admits its share of every tier's "
-        "capacity, rounded up (so that each can use every tier): unless the latency replicas split "
-        "evenly over the routers (say 3 over 2), a batch-1 replica may get a second request, which "
-        "then waits behind the first instead of spilling over.",
+        "capacity (3 latency replicas over 2 routers: 2 and 1), at least one slot, so that every "
+        "router can use every tier: with fewer latency replicas than routers, a batch-1 replica may "
+        "get a second request, which then waits behind the first instead of spilling over.",
     )
 
 

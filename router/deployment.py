@@ -109,7 +109,9 @@ class RouterDeployment:
         metrics_port: int,
     ) -> None:
         start_node_exporter(metrics_host, metrics_port)
-        self.settings = settings
+        # Each router replica admits its share of every tier (the settings hold the tiers' whole).
+        replica = serve.get_replica_context()
+        self.settings = settings.for_router(replica.rank.rank, replica.world_size)
         self.backends: dict[Tier, Backend] = {
             tier: ServeBackend(handle, settings.retry_after_seconds)
             for tier, handle in ((Tier.LATENCY, latency), (Tier.THROUGHPUT, throughput))

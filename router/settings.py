@@ -1,8 +1,8 @@
 """What the router needs to know, as one frozen dataclass; the deploy config maps onto it.
 
 Plain stdlib so that the router's policy can be built and tested without Ray or a config file.
-Capacities count requests in flight *at this router replica*: with several router replicas,
-give each its share of the tier (the deploy config divides).
+Capacities are the tiers' whole: with several router replicas, each admits its share
+(`RouterSettings.for_router`, which the Serve deployment applies with its replica rank).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ class RouterSettings:
     model_name: str  # the name clients pass as `model` and see in /v1/models
     model_dir: str  # Hugging Face folder the tokenizer and chat template are read from
     max_context: int  # prompt + generated tokens must fit in this (the replicas' context)
-    latency_capacity: int  # requests the latency tier runs at once: replicas x 1 (batch-1)
-    throughput_capacity: int  # requests the throughput tier runs at once: replicas x max ongoing
+    # requests each tier runs at once (latency: replicas x 1, batch-1; throughput: replicas x max
+    # ongoing); a router that is one of several admits its share (for_router)
+    latency_capacity: int
+    throughput_capacity: int
     latency_replicas: int = 1  # the replicas latency_capacity counts; fewer healthy ones, less capacity
     throughput_replicas: int = 1  # the same for throughput_capacity
     api_keys: tuple[str, ...] = ()  # accepted bearer tokens; empty disables auth
@@ -45,6 +47,11 @@ class RouterSettings:
     retry_after_seconds: int = DEFAULT_RETRY_AFTER_SECONDS  # Retry-After header of 429 and 503 answers
     max_n: int = 8  # largest `n` (choices per request) accepted; each choice takes one slot
     created: int = 0  # Unix time shown as the model's `created` in /v1/models
+
+    def for_router(self, rank: int, routers: int) -> RouterSettings:
+        """The settings of router replica `rank` of `routers`: its share of every tier's capacity."""
+        return dataclasses.replace(self, latency_capacity=router_share(self.latency_capacity, routers, rank),
+                                   throughput_capacity=router_share(self.throughput_capacity, routers, rank))
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -98,3 +105,17 @@ def sampling_defaults(model_dir: str) -> dict[str, float]:
         if isinstance(value, kind) and not isinstance(value, bool) and low <= value <= high:
             defaults[name] = value
     return defaults
+
+
+def router_share(total: int, routers: int, rank: int) -> int:
+    """Router `rank`'s share of a tier's `total` slots when `routers` routers admit to it: an even
+    split with the remainder going to the lowest ranks, so that together the routers admit exactly
+    what the tier runs (3 batch-1 replicas over 2 routers: 2 and 1). With fewer slots than routers,
+    each router keeps one so that every router can use every tier; two requests can then meet at
+    one replica, and the second waits in Serve's queue for the first to finish."""
+    if routers < 1 or rank < 0:
+        raise ValueError(f"a router share needs routers >= 1 and rank >= 0, got {routers} and {rank}")
+    if total == 0:
+        return 0
+    rank %= routers  # a rank past the count (a replica that is being replaced) shares like its slot
+    return max(1, total // routers + (1 if rank < total % routers else 0))

@@ -104,15 +104,16 @@ def test_cpu_tier_needs_no_gpu_and_no_placement_group(tmp_path):
     assert builder._placement(config.throughput) == {}
 
 
-def test_router_capacities_are_shared_between_router_replicas(tmp_path):
+def test_router_settings_hold_the_tiers_whole_capacities(tmp_path):
     config = AppConfig.model_validate({
         "latency": {"num_replicas": 3},
         "throughput": {"num_replicas": 2, "max_ongoing_requests": 10},
         "routing": {"router_replicas": 2},
     })
     settings = builder.router_settings(config, _env(tmp_path), "/models/x")
-    assert settings.latency_capacity == 2  # ceil(3 / 2): never below one slot per router
-    assert settings.throughput_capacity == 10
+    # the tiers' whole: each router replica takes its share from its rank (RouterSettings.for_router)
+    assert settings.latency_capacity == 3
+    assert settings.throughput_capacity == 20
     assert (settings.latency_replicas, settings.throughput_replicas) == (3, 2)  # what the capacities count
     assert settings.max_context == 2048
 

@@ -1,17 +1,25 @@
 """ServeBackend's translation of what a DeploymentHandle raises, with a stand-in handle (the real
 ones run in tests/deploy/test_app.py): every Ray failure of a call ends the generation as
-GenerationFailed, which the router reports as an OpenAI server error, and the call is cancelled."""
+GenerationFailed, which the router reports as an OpenAI server error, and the call is cancelled.
+And router replicas on the live stack's Serve: each admits its own share of the tiers."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+import urllib.request
 
 import pytest
 from ray.exceptions import ObjectLostError, WorkerCrashedError
 
+from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.protocol import GenerateRequest, StepOutput
-from megaserve.router.deployment import ServeBackend
+from megaserve.router.deployment import RouterDeployment, ServeBackend
 from megaserve.router.generation import GenerationFailed
+from megaserve.router.settings import RouterSettings
+
+SHARES_SEEN_SECONDS = 60  # Serve's proxy picks a router per request: both answer well within this
 
 
 class FailingResponse:
@@ -60,3 +68,27 @@ def test_a_ray_failure_of_the_call_is_a_failed_generation(error):
     with pytest.raises(GenerationFailed, match=expected):
         asyncio.run(consume())
     assert response.cancelled
+
+
+@pytest.mark.integration
+def test_two_router_replicas_each_admit_their_own_share_of_the_tiers(live_stack):
+    """3 latency slots and 5 throughput slots over 2 routers: 2 + 1 and 3 + 2, never 2 + 2 (which
+    would send a second request to a busy batch-1 replica instead of spilling it over)."""
+    from ray import serve
+
+    whole = RouterSettings(model_name="megaserve-demo", model_dir=str(ensure_demo_model(live_stack.home)),
+                           max_context=1024, latency_capacity=3, throughput_capacity=5)
+    tiers = [serve.get_deployment_handle(name, app_name="megaserve")
+             for name in ("LatencyReplica", "ThroughputReplica")]
+    app = RouterDeployment.options(num_replicas=2).bind(whole, *tiers, "127.0.0.1", live_stack.metrics_port)
+    serve.run(app, name="two-routers", route_prefix="/two-routers")
+    try:
+        seen: set[tuple[int, int]] = set()
+        deadline = time.monotonic() + SHARES_SEEN_SECONDS
+        while len(seen) < 2 and time.monotonic() < deadline:
+            with urllib.request.urlopen(live_stack.base_url + "/two-routers/health", timeout=10) as response:
+                health = json.load(response)["tiers"]
+            seen.add((health["latency"]["capacity"], health["throughput"]["capacity"]))
+    finally:
+        serve.delete("two-routers")
+    assert seen == {(2, 3), (1, 2)}
