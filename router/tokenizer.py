@@ -26,8 +26,6 @@ from tokenizers import Tokenizer as BackendTokenizer
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# Files that may name end-of-sequence token ids, besides the tokenizer's own eos_token.
-EOS_ID_FILES = ("generation_config.json", "config.json")
 # Special tokens that transformers hands to chat templates as variables.
 TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 DEFAULT_TEMPLATE_NAME = "default"
@@ -43,14 +41,12 @@ class Tokenizer:
         self,
         backend: BackendTokenizer,
         special_tokens: dict[str, str],
-        eos_token_ids: tuple[int, ...],
         chat_template: str | None,
     ) -> None:
         self._backend = backend
         self.special_tokens = special_tokens  # e.g. {"bos_token": "<|begin_of_text|>", ...}
         # ids that decoding with skip_special_tokens leaves out
         self.special_ids = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
-        self.eos_token_ids = eos_token_ids
         self._template = _compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
@@ -69,7 +65,6 @@ class Tokenizer:
         return cls(
             backend,
             special_tokens,
-            _eos_token_ids(path, backend, special_tokens.get("eos_token")),
             _chat_template(path, config),
         )
 
@@ -213,16 +208,6 @@ def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
             raise ChatTemplateError(f"{TOKENIZER_CONFIG_FILE} has chat templates {sorted(named)} but no 'default'")
         template = named[DEFAULT_TEMPLATE_NAME]
     return template
-
-
-def _eos_token_ids(path: Path, backend: BackendTokenizer, eos_token: str | None) -> tuple[int, ...]:
-    ids: list[int] = []
-    for file_name in EOS_ID_FILES:
-        value = _read_json(path / file_name).get("eos_token_id")
-        ids += [value] if isinstance(value, int) else list(value or [])
-    if eos_token is not None and backend.token_to_id(eos_token) is not None:
-        ids.append(backend.token_to_id(eos_token))
-    return tuple(dict.fromkeys(ids))  # deduplicated, first occurrence order
 
 
 def _token_text(value: str | dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ from datetime import datetime
 import pytest
 from transformers import AutoTokenizer
 
-from megaserve.replicas.models.demo import END_OF_TEXT_TOKEN, EOT_TOKEN, ensure_demo_model
+from megaserve.replicas.models.demo import EOT_TOKEN, ensure_demo_model
 from megaserve.router.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 LONG_PROMPT_REPEATS = 40_000  # ~2 MB of text: about a second of tokenizing
@@ -136,11 +136,6 @@ def test_a_damaged_tokenizer_is_one_clear_error(demo_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"template": "{{ 1 }}"}]}))
     with pytest.raises(ChatTemplateError, match="needs a name and a template in each entry"):
         Tokenizer.from_dir(tmp_path)
-
-
-def test_eos_token_ids_gather_generation_config_and_tokenizer(ours, theirs):
-    eos = (theirs.convert_tokens_to_ids(END_OF_TEXT_TOKEN), theirs.convert_tokens_to_ids(EOT_TOKEN))
-    assert ours.eos_token_ids == eos
 
 
 @pytest.mark.parametrize("text", TEXTS[3:6])

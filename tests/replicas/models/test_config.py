@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megaserve.replicas.models import CheckpointError, ModelConfig, load_model
+from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.models.rope import rope_inv_freq
 from tests.model_factory import make_tiny_model
 
@@ -254,3 +255,14 @@ def test_a_qwen3_config_without_head_dim_takes_qwen3s_default_not_hidden_over_he
     llama = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
              "num_hidden_layers": 1, "num_attention_heads": 4}
     assert ModelConfig.from_hf_dict(llama).head_dim == 64  # Llama's is hidden_size / heads
+
+
+def test_the_demo_model_stops_on_the_ids_transformers_stops_on(tmp_path):
+    """generation_config.json's ids and the tokenizer's eos_token, as transformers reads them."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    demo = ensure_demo_model(tmp_path)
+    listed = GenerationConfig.from_pretrained(demo).eos_token_id
+    expected = set(listed if isinstance(listed, list) else [listed]) | {AutoTokenizer.from_pretrained(demo).eos_token_id}
+    assert len(expected) == 2  # <|end_of_text|> and <|eot_id|>: both sources count
+    assert set(ModelConfig.from_hf_dir(demo).eos_token_ids) == expected
