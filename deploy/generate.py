@@ -35,13 +35,6 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_device(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this torch sees no CUDA GPU")
-
-
 def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     from megaserve.replicas.engines import create_engine
     from megaserve.replicas.protocol import EngineError, GenerateRequest, SamplingParams
@@ -60,8 +53,6 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
         # Llama-3.1-8B would take 17 GB); the engine caps it at the model's positions.
         settings = ({"device": "cuda", "kernel_cache": str(env.kernel_cache)} if args.engine == "megakernel"
                     else {"device": args.device or _default_device(), "max_batch": 1})
-        if args.engine == "torch":
-            _check_device(settings["device"])
         engine = create_engine(args.engine, model_dir=args.model, max_seq=len(prompt_ids) + sampling.max_tokens,
                                **settings)
     except (OSError, ValueError, RuntimeError) as error:  # no model there, a shape or device it cannot run

@@ -63,6 +63,8 @@ class TorchEngine(StepThreadEngine):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"TorchEngine on {str(self.device)!r} needs a CUDA GPU, and this torch sees none")
         if dtype in (None, AUTO_DTYPE):
             dtype = torch.float32 if self.device.type == "cpu" else None
         self.model = load_model(model_dir, self.device, dtype)

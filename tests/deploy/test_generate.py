@@ -153,7 +153,8 @@ def test_a_malformed_url_is_a_one_line_error(url):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the torch engine runs there")
 def test_a_cuda_device_without_a_gpu_is_a_one_line_error(demo_dir):
-    assert "--device cuda: this torch sees no CUDA GPU" in _generate_fails("hi", "--model", demo_dir, "--device", "cuda")
+    error = _generate_fails("hi", "--model", demo_dir, "--device", "cuda")
+    assert "cannot run the torch engine" in error and "'cuda' needs a CUDA GPU, and this torch sees none" in error
 
 
 def test_an_unreachable_server_is_a_one_line_error():

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 from prometheus_client import REGISTRY
 
 from megaserve.replicas.engines import create_engine
@@ -368,3 +369,9 @@ async def test_launches_per_step_are_measured_and_grow_with_depth(make_engine, t
         assert per_layer > 0 and remainder == 0
     finally:
         await deeper.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the engine runs there")
+def test_a_cuda_device_without_a_gpu_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match="TorchEngine on 'cuda:0' needs a CUDA GPU, and this torch sees none"):
+        TorchEngine(tiny_model_dir, device="cuda:0")
