@@ -89,6 +89,13 @@ SPILLOVER_HOLD = "15m"
 # Ray Serve's `serve_deployment_status` values (ray/serve/_private/deployment_state.py).
 DEPLOYMENT_FAILED, DEPLOYMENT_UNHEALTHY = 1, 2
 REPLICA_HOLD = "2m"
+# Serve replaces a replica after this many failed health checks in a row
+# (REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD in ray/serve/_private/constants.py).
+HEALTH_CHECKS_TO_REPLACE = 3
+HEALTH_CHECK_WINDOW = "15m"
+# Fewer healthy replicas than the deployment's target for this long: longer than a GPU replica's
+# start (weights and the kernel build), so that a rolling update does not page.
+BELOW_TARGET_HOLD = "10m"
 
 
 def _number(value: float) -> str:
@@ -139,16 +146,39 @@ def _spillover_alert() -> dict:
 
 
 def _replica_alerts() -> list[dict]:
+    failures_total = "ray_serve_health_check_failures_total"
+    failures = f"sum by (application, deployment) ({failures_total})"
+    failures_then = f"sum by (application, deployment) ({failures_total} offset {HEALTH_CHECK_WINDOW})"
     return [
+        # Not `ray_serve_deployment_replica_healthy == 0`: Serve stops a failing replica and its 0
+        # leaves the export within a minute (measured on Ray 2.60), so that rule never fired. The
+        # failure counters stay, and so does the target.
         {
-            "alert": "MegaserveReplicaUnhealthy",
-            "expr": "ray_serve_deployment_replica_healthy == 0\n",
-            "for": REPLICA_HOLD,
+            "alert": "MegaserveReplicasFailingHealthChecks",
+            # now less then: a counter appears at its replica's first failure, so increase() of a
+            # series born in the window would miss that failure; here it counts from 0
+            "expr": (f"{failures}\n- (\n  {failures_then}\n  or 0 * {failures}\n)\n"
+                     f">= {HEALTH_CHECKS_TO_REPLACE}\n"),
+            "labels": {"severity": "ticket"},
+            "annotations": {
+                "summary": "Ray Serve replicas fail their health checks and are replaced",
+                "description": "{{ $labels.application }}/{{ $labels.deployment }}: {{ $value }} failed "
+                f"health checks in {HEALTH_CHECK_WINDOW} (Serve replaces a replica after "
+                f"{HEALTH_CHECKS_TO_REPLACE} in a row): a wedged or crashing engine.",
+                },
+        },
+        {
+            "alert": "MegaserveReplicasBelowTarget",
+            "expr": ("(\n  sum by (application, deployment) (ray_serve_deployment_replica_healthy)\n"
+                     "  or 0 * max by (application, deployment) (ray_serve_autoscaling_target_replicas)\n)\n"
+                     "< max by (application, deployment) (ray_serve_autoscaling_target_replicas)\n"),
+            "for": BELOW_TARGET_HOLD,
             "labels": {"severity": "page"},
             "annotations": {
-                "summary": "A Ray Serve replica fails its health checks",
-                "description": "{{ $labels.application }}/{{ $labels.deployment }} "
-                "{{ $labels.replica }} has been unhealthy for " + REPLICA_HOLD + ".",
+                "summary": "A Ray Serve deployment runs fewer healthy replicas than it targets",
+                "description": "{{ $labels.application }}/{{ $labels.deployment }} has had {{ $value }} "
+                "healthy replicas, fewer than its target, for " + BELOW_TARGET_HOLD
+                + ": replicas that cannot be placed (a lost GPU node) or keep failing to start.",
                 },
         },
         {

@@ -42,7 +42,8 @@ def test_every_alert_has_a_severity_and_a_summary():
     rules = [rule for group in alerts.rule_groups() for rule in group["rules"]]
     assert {r["alert"] for r in rules} >= {
         "MegaserveLatencyTierStepSLOBurn", "MegaserveLatencyTierTTFTSLOBurn",
-        "MegaserveLatencySpillover", "MegaserveReplicaUnhealthy", "MegaserveMetricsTargetDown",
+        "MegaserveLatencySpillover", "MegaserveReplicasFailingHealthChecks", "MegaserveReplicasBelowTarget",
+        "MegaserveDeploymentUnhealthy", "MegaserveMetricsTargetDown",
     }
     for rule in rules:
         assert rule["labels"]["severity"] in ("page", "ticket"), rule["alert"]
