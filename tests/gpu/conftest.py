@@ -1,6 +1,7 @@
 """GPU fixtures: tiny random Hugging Face models in bf16 on CUDA, in the shapes the megakernel
-must cover (head_dim 64 and 128, GQA ratios 4 and 8, tied and untied embeddings, Qwen3 q/k norm,
-Llama 3.1 RoPE scaling). Every test under tests/gpu is skipped on a machine without CUDA."""
+must cover (head_dim 64, 128 and 256, GQA ratios 3, 4, 5 and 8, tied and untied embeddings, Qwen3
+q/k norm, Llama 3.1 RoPE scaling, an odd vocabulary). Every test under tests/gpu is skipped on a
+machine without CUDA."""
 
 from __future__ import annotations
 
@@ -48,6 +49,22 @@ SHAPES = {
     "llama-h2048-gqa4": dict(
         family="llama", hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
         head_dim=128, tie_word_embeddings=False, num_hidden_layers=2, initializer_range=INIT_GAIN / 2048**0.5,
+    ),
+    # GQA 3 (Llama-3.2-3B's 24 heads over 8), head_dim 128, untied, 2 layers
+    "llama-hd128-gqa3": dict(
+        family="llama", hidden_size=768, intermediate_size=1536, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=128, tie_word_embeddings=False, num_hidden_layers=2, initializer_range=INIT_GAIN / 768**0.5,
+    ),
+    # GQA 5 (Qwen3-14B's 40 heads over 8), Qwen3 q/k norm, untied, 2 layers
+    "qwen3-hd128-gqa5": dict(
+        family="qwen3", hidden_size=640, intermediate_size=1280, num_attention_heads=10, num_key_value_heads=2,
+        head_dim=128, tie_word_embeddings=False, num_hidden_layers=2, initializer_range=INIT_GAIN / 640**0.5,
+    ),
+    # head_dim 256, GQA 4, tied, and an odd vocabulary (the LM head's last row pair is a single row)
+    "llama-hd256-gqa4-oddvocab": dict(
+        family="llama", hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, tie_word_embeddings=True, num_hidden_layers=2, vocab_size=1001,
+        initializer_range=INIT_GAIN / 512**0.5,
     ),
 }
 

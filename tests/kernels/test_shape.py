@@ -49,14 +49,17 @@ def test_bench_models_map_to_template_arguments(name):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_gpu_test_shapes_are_supported(name):
+def test_gpu_test_shapes_are_supported_and_compile(name, tmp_path):
     settings = dict(SHAPES[name])
     family = settings.pop("family")
     raw = {"architectures": ["LlamaForCausalLM" if family == "llama" else "Qwen3ForCausalLM"],
            "vocab_size": 512, "num_hidden_layers": 2, **settings}
     shape = KernelShape.from_config(ModelConfig.from_hf_dict(raw))
     assert shape.qk_norm == (family == "qwen3")
-    assert shape.group in (4, 8)
+    assert shape.group == settings["num_attention_heads"] // settings["num_key_value_heads"]
+    shape.check_grid(H200_SMS)
+    compiled = KernelCache(tmp_path / "kernels").decode_step(shape, "sm_90a")
+    assert compiled.cubin.startswith(b"\x7fELF")
 
 
 def test_the_demo_model_runs_on_the_megakernel(tmp_path):
