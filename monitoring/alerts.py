@@ -146,18 +146,18 @@ def _spillover_alert() -> dict:
 
 
 def _replica_alerts() -> list[dict]:
-    failures_total = "ray_serve_health_check_failures_total"
-    failures = f"sum by (application, deployment) ({failures_total})"
-    failures_then = f"sum by (application, deployment) ({failures_total} offset {HEALTH_CHECK_WINDOW})"
+    failures = "ray_serve_health_check_failures_total"
     return [
         # Not `ray_serve_deployment_replica_healthy == 0`: Serve stops a failing replica and its 0
         # leaves the export within a minute (measured on Ray 2.60), so that rule never fired. The
         # failure counters stay, and so does the target.
         {
             "alert": "MegaserveReplicasFailingHealthChecks",
-            # now less then: a counter appears at its replica's first failure, so increase() of a
-            # series born in the window would miss that failure; here it counts from 0
-            "expr": (f"{failures}\n- (\n  {failures_then}\n  or 0 * {failures}\n)\n"
+            # each replica's count now less then, summed: a counter appears at its replica's first
+            # failure, so increase() of a series born in the window would miss that failure, while
+            # here it counts from 0; a series that reset (its controller restarted) adds nothing
+            "expr": (f"sum by (application, deployment) (\n  clamp_min(\n    {failures}\n"
+                     f"    - ({failures} offset {HEALTH_CHECK_WINDOW} or 0 * {failures}),\n    0\n  )\n)\n"
                      f">= {HEALTH_CHECKS_TO_REPLACE}\n"),
             "labels": {"severity": "ticket"},
             "annotations": {

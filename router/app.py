@@ -39,7 +39,7 @@ from megaserve.router.openai_schema import (
     ModelCard,
     ModelList,
 )
-from megaserve.router.policy import TIER_HEADER, Admission, Lease, choose_tier
+from megaserve.router.policy import TIER_HEADER, Admission, Lease, RouterPosition, choose_tier, single_router
 from megaserve.router.responses import ResponseBuilder, served_tier
 from megaserve.router.settings import RouterSettings, capped_by_model, sampling_defaults
 from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
@@ -58,12 +58,15 @@ log = logging.getLogger(__name__)
 
 
 def create_app(
-    settings: RouterSettings, backends: Mapping[Tier, Backend], tokenizer: Tokenizer | None = None
+    settings: RouterSettings,
+    backends: Mapping[Tier, Backend],
+    tokenizer: Tokenizer | None = None,
+    position: RouterPosition = single_router,
 ) -> FastAPI:
     """The router app over `backends` (one per enabled tier); the tokenizer is read from
-    `settings.model_dir` unless given."""
+    `settings.model_dir` unless given; `position` places it among several router replicas."""
     settings = capped_by_model(settings)
-    router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir))
+    router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir), position)
     app = FastAPI(title="megaserve", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.router = router
     app.add_exception_handler(APIError, router.error_response)
@@ -79,11 +82,12 @@ def create_app(
 
 
 class _Router:
-    def __init__(self, settings: RouterSettings, backends: Mapping[Tier, Backend], tokenizer: Tokenizer) -> None:
+    def __init__(self, settings: RouterSettings, backends: Mapping[Tier, Backend], tokenizer: Tokenizer,
+                 position: RouterPosition) -> None:
         self.settings = settings
         self.backends = backends
         self.tokenizer = tokenizer
-        self.admission = Admission(settings, backends)
+        self.admission = Admission(settings, backends, position)
         self.sampling_defaults = sampling_defaults(settings.model_dir)
 
     # --- endpoints -------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from megaserve.router.app import create_app
 from megaserve.router.backend import Backend
 from megaserve.router.errors import busy
 from megaserve.router.generation import GenerationFailed
+from megaserve.router.policy import single_router
 from megaserve.router.settings import RouterSettings
 
 HEALTH_CACHE_SECONDS = 2.0  # serve.status() asks the controller: once per interval, not per request
@@ -91,6 +92,18 @@ class ServeBackend:
         return sum(count for state, count in states.items() if state == RUNNING)
 
 
+def serve_router_position() -> tuple[int, int]:
+    """This router replica's (rank, replicas), read afresh at every use: Serve renumbers ranks once
+    a replaced replica has stopped, and changes num_replicas in place. A rank past the count (a
+    replacement started while the replica it replaces drains) shares like rank - count until then;
+    an autoscaled router, whose count is not fixed, admits like a single one."""
+    replica = serve.get_replica_context()
+    routers = replica.world_size
+    if not isinstance(routers, int) or routers < 1:
+        return single_router()
+    return replica.rank.rank % routers, routers
+
+
 def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
@@ -109,9 +122,7 @@ class RouterDeployment:
         metrics_port: int,
     ) -> None:
         start_node_exporter(metrics_host, metrics_port)
-        # Each router replica admits its share of every tier (the settings hold the tiers' whole).
-        replica = serve.get_replica_context()
-        self.settings = settings.for_router(replica.rank.rank, replica.world_size)
+        self.settings = settings
         self.backends: dict[Tier, Backend] = {
             tier: ServeBackend(handle, settings.retry_after_seconds)
             for tier, handle in ((Tier.LATENCY, latency), (Tier.THROUGHPUT, throughput))
@@ -120,4 +131,4 @@ class RouterDeployment:
         start_router_series(settings.model_name, tuple(tier.value for tier in self.backends))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self.settings, self.backends)
+        return create_app(self.settings, self.backends, position=serve_router_position)

@@ -13,29 +13,37 @@ Choosing (first match wins):
 Admitting: the router counts the requests (one slot per choice) it has in flight on each tier
 against the tier's capacity, scaled by the share of the tier's replicas that are healthy (with one
 of two latency replicas restarting, one request runs there and the next spills over instead of
-queueing behind the restart at the replica's handle). A latency request that finds no free slot waits up to
-`latency_wait_seconds` in FIFO order, then spills over to throughput (reason "spillover") if
-`spillover` is on and throughput has a healthy replica, else is refused as latency's. Throughput
-never spills to latency: a batch-1 replica is too precious for work that asked for bulk service. A
-deployment of one tier serves every request on that tier (reason "only_tier" when it asked for the
-other). Refusals: 429 when the slots are taken, 503 when the tier has no healthy replica, both with
-Retry-After; 400 when `n` is more than the tier ever runs at once.
+queueing behind the restart at the replica's handle), and of those slots its own share when it is
+one of several routers (`router_share`, by its rank, read at every resize). A latency request that
+finds no free slot waits up to `latency_wait_seconds` in FIFO order, then spills over to throughput
+(reason "spillover") if `spillover` is on and throughput has a healthy replica, else is refused as
+latency's. Throughput never spills to latency: a batch-1 replica is too precious for work that asked
+for bulk service. A deployment of one tier serves every request on that tier (reason "only_tier"
+when it asked for the other). Refusals: 429 when the slots are taken, 503 when the tier has no
+healthy replica, both with Retry-After; 400 when `n` is more than the tier ever runs at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from megaserve.monitoring.metrics import QUEUE_DEPTH, ROUTED_REQUESTS
 from megaserve.replicas.protocol import Tier
 from megaserve.router.backend import Backend
 from megaserve.router.errors import APIError, busy, invalid
-from megaserve.router.settings import RouterSettings
+from megaserve.router.settings import RouterSettings, router_share
 
 TIER_HEADER = "x-megaserve-tier"
+RouterPosition = Callable[[], tuple[int, int]]  # () -> (rank, routers): this router among its replicas
+
+
+def single_router() -> tuple[int, int]:
+    """The position of a router that admits alone: rank 0 of 1."""
+    return 0, 1
+
 SERVICE_TIER_TO_TIER = {"priority": Tier.LATENCY, "fast": Tier.LATENCY, "default": Tier.THROUGHPUT,
                         "flex": Tier.THROUGHPUT, "scale": Tier.THROUGHPUT}
 OTHER_TIER = {Tier.LATENCY: Tier.THROUGHPUT, Tier.THROUGHPUT: Tier.LATENCY}
@@ -146,9 +154,11 @@ class Lease:
 class Admission:
     """Admits requests to tiers under the capacities of `settings`."""
 
-    def __init__(self, settings: RouterSettings, backends: Mapping[Tier, Backend]) -> None:
+    def __init__(self, settings: RouterSettings, backends: Mapping[Tier, Backend],
+                 position: RouterPosition = single_router) -> None:
         self.settings = settings
         self.backends = backends
+        self.position = position
         # (the capacity with every replica healthy, the replicas it counts) per tier
         self._full = {
             Tier.LATENCY: (settings.latency_capacity if Tier.LATENCY in backends else 0, settings.latency_replicas),
@@ -170,7 +180,9 @@ class Admission:
             return False
         capacity, replicas = self._full[tier]
         healthy = min(await self.backends[tier].healthy_replicas(), replicas)
-        self.slots[tier].resize(-(-capacity * healthy // replicas))  # a healthy replica keeps a slot
+        healthy_slots = -(-capacity * healthy // replicas)  # a healthy replica keeps a slot
+        rank, routers = self.position()
+        self.slots[tier].resize(router_share(healthy_slots, routers, rank))
         return healthy > 0
 
     async def admit(self, route: Route, slots: int) -> Lease:

@@ -2,7 +2,7 @@
 
 Plain stdlib so that the router's policy can be built and tested without Ray or a config file.
 Capacities are the tiers' whole: with several router replicas, each admits its share
-(`RouterSettings.for_router`, which the Serve deployment applies with its replica rank).
+(`router_share`, which the router's admission applies with its Serve replica rank).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class RouterSettings:
     model_dir: str  # Hugging Face folder the tokenizer and chat template are read from
     max_context: int  # prompt + generated tokens must fit in this (the replicas' context)
     # requests each tier runs at once (latency: replicas x 1, batch-1; throughput: replicas x max
-    # ongoing); a router that is one of several admits its share (for_router)
+    # ongoing); a router that is one of several admits its share (router_share)
     latency_capacity: int
     throughput_capacity: int
     latency_replicas: int = 1  # the replicas latency_capacity counts; fewer healthy ones, less capacity
@@ -47,11 +47,6 @@ class RouterSettings:
     retry_after_seconds: int = DEFAULT_RETRY_AFTER_SECONDS  # Retry-After header of 429 and 503 answers
     max_n: int = 8  # largest `n` (choices per request) accepted; each choice takes one slot
     created: int = 0  # Unix time shown as the model's `created` in /v1/models
-
-    def for_router(self, rank: int, routers: int) -> RouterSettings:
-        """The settings of router replica `rank` of `routers`: its share of every tier's capacity."""
-        return dataclasses.replace(self, latency_capacity=router_share(self.latency_capacity, routers, rank),
-                                   throughput_capacity=router_share(self.throughput_capacity, routers, rank))
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -117,5 +112,4 @@ def router_share(total: int, routers: int, rank: int) -> int:
         raise ValueError(f"a router share needs routers >= 1 and rank >= 0, got {routers} and {rank}")
     if total == 0:
         return 0
-    rank %= routers  # a rank past the count (a replica that is being replaced) shares like its slot
     return max(1, total // routers + (1 if rank < total % routers else 0))

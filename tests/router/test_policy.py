@@ -212,6 +212,28 @@ async def test_capacity_follows_the_healthy_replicas(engines):
         lease.release()
 
 
+async def test_routers_share_the_healthy_slots_by_their_rank_read_at_every_resize(engines):
+    """4 latency replicas, 3 of them healthy, over 2 routers: 2 and 1 (each rounding its own share
+    of the healthy slots up would admit 2 + 2 to 3 replicas). A rank that Serve renumbers counts
+    from the next resize on."""
+    latency = ReplicaCountBackend(engines[Tier.LATENCY], healthy=3)
+    position = {"rank": 0}
+    admissions = [
+        Admission(settings(latency_capacity=4, latency_replicas=4), {Tier.LATENCY: latency},
+                  position=lambda rank=rank: (rank, 2))
+        for rank in range(2)
+    ]
+    renumbered = Admission(settings(latency_capacity=4, latency_replicas=4), {Tier.LATENCY: latency},
+                           position=lambda: (position["rank"], 2))
+    for admission in (*admissions, renumbered):
+        assert await admission.healthy(Tier.LATENCY)
+    assert [a.slots[Tier.LATENCY].capacity for a in admissions] == [2, 1]
+    assert renumbered.slots[Tier.LATENCY].capacity == 2
+    position["rank"] = 1
+    await renumbered.healthy(Tier.LATENCY)
+    assert renumbered.slots[Tier.LATENCY].capacity == 1
+
+
 async def test_n_within_the_full_tier_but_beyond_its_healthy_share_is_busy_not_invalid(engines):
     latency = ReplicaCountBackend(engines[Tier.LATENCY], healthy=1)
     admission = Admission(settings(latency_capacity=4, latency_replicas=4, spillover=False), {Tier.LATENCY: latency})
