@@ -173,7 +173,15 @@ class OutputReader:
     def read(self, output: Mapping[str, Any], seconds: float) -> Chunk:
         """`seconds`: time since the previous dict (or since submission), split over its tokens."""
         output_ids = output["output_ids"]
-        new = list(output_ids) if self.incremental else list(output_ids[self.delivered:])
+        if self.incremental:
+            # meta_info["completion_tokens"] counts every output id so far: only those past
+            # `delivered` are new. (A request that SGLang itself aborts outside the output stream,
+            # its _handle_abort_req, ends with the last id it already streamed, repeated.)
+            total = output["meta_info"].get("completion_tokens")
+            fresh = len(output_ids) if total is None else min(max(total - self.delivered, 0), len(output_ids))
+            new = list(output_ids[len(output_ids) - fresh:])
+        else:
+            new = list(output_ids[self.delivered:])
         self.delivered += len(new)
         reason, error = finish_of(output["meta_info"].get("finish_reason"))
         per_token = seconds / len(new) if new else 0.0

@@ -4,9 +4,12 @@
 It has exactly the members SGLangEngine uses, with the parameter names that test_sglang_api.py
 checks against the pinned SGLang's source, and streams as SGLang's TokenizerManager does with
 `skip_tokenizer_init`: one dict per decode step holding every output id so far (only the new ones
-with `incremental_streaming_output`), the last one with meta_info["finish_reason"] set to
-{"type": "stop" | "length" | "abort", ...}. Its "model" continues a prompt ending in t with
-t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's rule (`stops_on`).
+with `incremental_streaming_output`) and meta_info["completion_tokens"], their count, the last one
+with meta_info["finish_reason"] set to {"type": "stop" | "length" | "abort", ...}. A request it
+aborts ends as SGLang's `_handle_abort_req` ends one: with every id so far, or with incremental
+streaming the last one again (test_sglang_api.py checks that against the source). Its "model"
+continues a prompt ending in t with t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's
+rule (`stops_on`).
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ class StandInSGLang:
         while True:
             await asyncio.sleep(STEP_SECONDS)
             if rid in self.tokenizer_manager.aborted:
-                yield {"output_ids": [] if incremental else list(output_ids),
-                       "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"}}}
+                yield {"output_ids": output_ids[-1:] if incremental else list(output_ids),
+                       "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"},
+                                     "completion_tokens": len(output_ids)}}
                 return
             token = prompt[-1] + len(output_ids) + 1
             output_ids.append(token)
@@ -74,7 +78,7 @@ class StandInSGLang:
             elif len(output_ids) == params["max_new_tokens"]:
                 reason = {"type": "length", "length": len(output_ids)}
             yield {"output_ids": [token] if incremental else list(output_ids),
-                   "meta_info": {"finish_reason": reason}}
+                   "meta_info": {"finish_reason": reason, "completion_tokens": len(output_ids)}}
             if reason is not None:
                 return
 

@@ -172,6 +172,17 @@ def test_token_id_outputs_are_output_ids_with_meta_info_and_a_finish_reason(sgla
     assert any("finish_reason" in keys for keys in key_sets)
 
 
+def test_every_output_counts_its_ids_and_an_abort_outside_the_stream_repeats_the_last_one(sglang):
+    """What OutputReader and the stand-in rely on: meta_info["completion_tokens"] in the stream's
+    dicts, and _handle_abort_req's incremental output of the last id already streamed."""
+    manager = sglang.cls(TOKENIZER_MANAGER, "TokenizerManager")
+    handle = ast.unparse(sglang.method(manager, "_handle_batch_output"))
+    assert "'completion_tokens': recv_obj.completion_tokens[i]" in handle
+    abort = ast.unparse(sglang.method(manager, "_handle_abort_req"))
+    assert "meta_info['completion_tokens'] = len(output_ids)" in abort
+    assert "output_ids = [output_ids[-1]] if len(output_ids) > 0 else []" in abort
+
+
 def test_health_probes_use_sglang_s_health_check_prefix(sglang):
     (prefix,) = [node.value for node in sglang.module("sglang.srt.constants").body if isinstance(node, ast.Assign)
                  and ast.unparse(node.targets[0]) == "HEALTH_CHECK_RID_PREFIX"]

@@ -138,6 +138,15 @@ def test_the_reader_ends_at_the_first_of_its_stop_ids(incremental, sglang_reason
     assert chunk.step_seconds == pytest.approx([0.1, 0.1])
 
 
+def test_an_incremental_abort_that_repeats_the_last_id_adds_nothing():
+    reader = OutputReader(incremental=True)
+    reader.read({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2}}, 0.1)
+    abort = {"type": "abort", "message": "evicted"}
+    chunk = reader.read({"output_ids": [2], "meta_info": {"finish_reason": abort, "completion_tokens": 2}}, 0.1)
+    assert (chunk.token_ids, chunk.finish_reason, chunk.error) == ([], FinishReason.ABORT, "evicted")
+    assert reader.delivered == 2
+
+
 def test_a_final_output_that_repeats_everything_adds_nothing():
     reader = OutputReader(incremental=False)
     reader.read({"output_ids": [1, 2], "meta_info": {}}, 0.1)
@@ -264,13 +273,17 @@ async def test_an_sglang_failure_ends_the_stream_with_its_reason(make_sglang):
     assert "ValueError: the input is longer than the context" in items[0].error
 
 
-async def test_an_abort_from_sglang_ends_the_stream_with_its_message(make_sglang):
-    engine, sglang = make_sglang()
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_an_abort_from_sglang_ends_the_stream_with_its_message_and_no_repeated_token(make_sglang, incremental):
+    engine, sglang = make_sglang(engine_args={"incremental_streaming_output": incremental})
     stream = engine.generate(_request(max_tokens=400))
-    await anext(stream)
+    items = [await anext(stream)]
     sglang.tokenizer_manager.abort_request(rid=sglang.requests[0]["rid"])  # e.g. SGLang out of memory
-    items = [item async for item in stream]
+    items += [item async for item in stream]
     assert items[-1].finish_reason == FinishReason.ABORT and items[-1].error == "aborted"
+    tokens = [token for item in items for token in item.token_ids]
+    first = tokens[0]
+    assert tokens == list(range(first, first + len(tokens)))  # the stand-in's t+1, t+2, ...: each once
 
 
 @pytest.mark.parametrize(("prompt", "max_tokens", "message"), [
