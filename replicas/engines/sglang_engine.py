@@ -34,9 +34,12 @@ maps to SGLang's `sampling_seed`, which SGLang honours when started with
 `enable_deterministic_inference`.
 
 Timing: SGLang does not stream per-step durations. Each chunk's tokens get the time since the
-previous chunk (since submission for the first one, so it includes SGLang's queue and prefill),
-split evenly; these are the values recorded as the prefill and decode step durations, once per
-chunk of each request (so a batched step is observed once per request in it).
+previous chunk, split evenly; these are the values recorded as the prefill and decode step
+durations, once per chunk of each request (so a batched step is observed once per request in it).
+For the first chunk, SGLang's own wall-clock stamps (meta_info "forward_entry_time" and
+"prefill_finished_time", sent with `enable_metrics`) give the prefill its own duration and the
+chunk's other tokens the time since it, so the wait in SGLang's queue counts as neither; without
+them the first chunk's tokens share the time since submission, queue and prefill included.
 
 `shutdown()` ends SGLang's processes; SGLang does it by ending every child process of this
 process, so an SGLangEngine needs a process of its own (a Serve replica is one).
@@ -170,8 +173,9 @@ class OutputReader:
     stop_ids: frozenset[int] = frozenset()
     delivered: int = 0  # output ids handed on so far
 
-    def read(self, output: Mapping[str, Any], seconds: float) -> Chunk:
-        """`seconds`: time since the previous dict (or since submission), split over its tokens."""
+    def read(self, output: Mapping[str, Any], seconds: float, wall_time: float | None = None) -> Chunk:
+        """`seconds`: time since the previous dict (or since submission), split over its tokens;
+        `wall_time`: time.time() at its arrival, for the first dict's prefill stamps (step_times)."""
         output_ids = output["output_ids"]
         if self.incremental:
             # meta_info["completion_tokens"] counts every output id so far: only those past
@@ -182,13 +186,27 @@ class OutputReader:
             new = list(output_ids[len(output_ids) - fresh:])
         else:
             new = list(output_ids[self.delivered:])
+        first = self.delivered == 0
         self.delivered += len(new)
         reason, error = finish_of(output["meta_info"].get("finish_reason"))
-        per_token = seconds / len(new) if new else 0.0
+        steps = step_times(len(new), seconds, output["meta_info"] if first else {}, wall_time)
         stop = next((i for i, token in enumerate(new) if token in self.stop_ids), None)
         if stop is not None:  # it came before whatever SGLang reports with it (length, abort): STOP, as on TorchEngine
-            new, reason, error = new[:stop + 1], FinishReason.STOP, None
-        return Chunk(new, [per_token] * len(new), reason, error)
+            new, steps, reason, error = new[:stop + 1], steps[:stop + 1], FinishReason.STOP, None
+        return Chunk(new, steps, reason, error)
+
+
+def step_times(tokens: int, seconds: float, meta_info: Mapping[str, Any], wall_time: float | None) -> list[float]:
+    """Each of a dict's `tokens` tokens' step duration: `seconds` split evenly, or, where
+    `meta_info` has SGLang's prefill stamps (the first dict of a request, with enable_metrics),
+    the prefill's duration for the first token and the time since the prefill for the others."""
+    if tokens == 0:
+        return []
+    entered, prefilled = meta_info.get("forward_entry_time"), meta_info.get("prefill_finished_time")
+    if wall_time is None or entered is None or prefilled is None or not entered <= prefilled <= wall_time:
+        return [seconds / tokens] * tokens
+    decode = (wall_time - prefilled) / (tokens - 1) if tokens > 1 else 0.0
+    return [prefilled - entered] + [decode] * (tokens - 1)
 
 
 def finish_of(reason: Mapping[str, Any] | None) -> tuple[FinishReason | None, str | None]:
@@ -282,7 +300,7 @@ class SGLangEngine(Engine):
                     probe.set()
                 now = time.perf_counter()
                 first = reader.delivered == 0
-                chunk = reader.read(output, now - last)
+                chunk = reader.read(output, now - last, time.time())
                 last = now
                 for seconds in chunk.step_seconds:
                     (self.metrics.prefill_step if first else self.metrics.decode_step)(seconds)

@@ -7,7 +7,10 @@ checks against the pinned SGLang's source, and streams as SGLang's TokenizerMana
 with `incremental_streaming_output`) and meta_info["completion_tokens"], their count, the last one
 with meta_info["finish_reason"] set to {"type": "stop" | "length" | "abort", ...}. A request it
 aborts ends as SGLang's `_handle_abort_req` ends one: with every id so far, or with incremental
-streaming the last one again (test_sglang_api.py checks that against the source). Its "model"
+streaming the last one again (test_sglang_api.py checks that against the source). With
+`enable_metrics` its meta_info carries SGLang's wall-clock "forward_entry_time" and
+"prefill_finished_time" once they have happened; `queue_seconds` is a wait in its queue before the
+first forward. Its "model"
 continues a prompt ending in t with t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's
 rule (`stops_on`).
 """
@@ -15,6 +18,7 @@ rule (`stops_on`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,6 +50,7 @@ class StandInSGLang:
         self.stalled = False  # new requests get no output at all (a hung scheduler)
         self.failure: Exception | None = None  # new requests fail with this
         self.shut_down = False
+        self.queue_seconds = 0.0  # new requests wait this long in the queue before their prefill
 
     async def async_generate(self, *, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
                              priority: int, stream: bool) -> AsyncIterator[dict[str, Any]]:
@@ -53,22 +58,28 @@ class StandInSGLang:
             raise ValueError("the stand-in streams only")
         self.requests.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
                               "priority": priority, "stream": stream})
-        return self._outputs(input_ids, sampling_params, rid, self.stalled, self.failure)
+        return self._outputs(input_ids, sampling_params, rid, self.stalled, self.failure, self.queue_seconds)
 
     async def _outputs(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
-                       failure: Exception | None) -> AsyncIterator[dict[str, Any]]:
+                       failure: Exception | None, queue_seconds: float) -> AsyncIterator[dict[str, Any]]:
         if failure is not None:
             raise failure
         if stalled:
             await asyncio.Event().wait()
         incremental = self.launch_args.get("incremental_streaming_output", False)
+        await asyncio.sleep(queue_seconds)
+        entered = time.time()
+        prefilled: float | None = None
         output_ids: list[int] = []
         while True:
             await asyncio.sleep(STEP_SECONDS)
+            prefilled = prefilled or time.time()
+            stamps = ({"forward_entry_time": entered, "prefill_finished_time": prefilled}
+                      if self.launch_args.get("enable_metrics", False) else {})  # SGLang's time stats
             if rid in self.tokenizer_manager.aborted:
                 yield {"output_ids": output_ids[-1:] if incremental else list(output_ids),
                        "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"},
-                                     "completion_tokens": len(output_ids)}}
+                                     "completion_tokens": len(output_ids), **stamps}}
                 return
             token = prompt[-1] + len(output_ids) + 1
             output_ids.append(token)
@@ -78,7 +89,7 @@ class StandInSGLang:
             elif len(output_ids) == params["max_new_tokens"]:
                 reason = {"type": "length", "length": len(output_ids)}
             yield {"output_ids": [token] if incremental else list(output_ids),
-                   "meta_info": {"finish_reason": reason, "completion_tokens": len(output_ids)}}
+                   "meta_info": {"finish_reason": reason, "completion_tokens": len(output_ids), **stamps}}
             if reason is not None:
                 return
 

@@ -183,6 +183,16 @@ def test_every_output_counts_its_ids_and_an_abort_outside_the_stream_repeats_the
     assert "output_ids = [output_ids[-1]] if len(output_ids) > 0 else []" in abort
 
 
+def test_with_metrics_every_output_carries_the_prefill_s_wall_clock_stamps(sglang):
+    """What step_times reads: SGLang's scheduler time stats, converted to time.time()'s clock."""
+    manager = ast.unparse(sglang.method(sglang.cls(TOKENIZER_MANAGER, "TokenizerManager"), "_handle_batch_output"))
+    assert "if self.enable_metrics:" in manager and "convert_to_output_meta_info()" in manager
+    stats = sglang.cls("sglang.srt.observability.req_time_stats", "SchedulerReqTimeStats")
+    convert = ast.unparse(sglang.method(stats, "convert_to_output_meta_info"))
+    for key in ("forward_entry_time", "prefill_finished_time"):
+        assert f"meta_data['{key}'] = convert_time_to_realtime(self.{key})" in convert
+
+
 def test_health_probes_use_sglang_s_health_check_prefix(sglang):
     (prefix,) = [node.value for node in sglang.module("sglang.srt.constants").body if isinstance(node, ast.Assign)
                  and ast.unparse(node.targets[0]) == "HEALTH_CHECK_RID_PREFIX"]

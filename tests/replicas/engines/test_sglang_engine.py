@@ -24,6 +24,7 @@ from megaserve.replicas.engines.sglang_engine import (
     model_limits,
     own_stop_ids,
     sglang_sampling_params,
+    step_times,
 )
 from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason, GenerateRequest, SamplingParams
 from tests.replicas.engines.sglang_stand_in import StandInSGLang
@@ -145,6 +146,18 @@ def test_an_incremental_abort_that_repeats_the_last_id_adds_nothing():
     chunk = reader.read({"output_ids": [2], "meta_info": {"finish_reason": abort, "completion_tokens": 2}}, 0.1)
     assert (chunk.token_ids, chunk.finish_reason, chunk.error) == ([], FinishReason.ABORT, "evicted")
     assert reader.delivered == 2
+
+
+def test_the_first_output_s_prefill_stamps_time_its_tokens():
+    stamps = {"forward_entry_time": 100.0, "prefill_finished_time": 100.3}
+    assert step_times(3, 2.0, stamps, wall_time=100.5) == pytest.approx([0.3, 0.1, 0.1])
+    assert step_times(1, 2.0, stamps, wall_time=100.5) == pytest.approx([0.3])
+    assert step_times(2, 2.0, {}, wall_time=100.5) == [1.0, 1.0]  # no stamps (enable_metrics off)
+    assert step_times(2, 2.0, stamps, wall_time=100.1) == [1.0, 1.0]  # stamps after arrival: clocks disagree
+    reader = OutputReader(incremental=True)
+    first = reader.read({"output_ids": [1], "meta_info": stamps}, 2.0, wall_time=100.5)
+    later = reader.read({"output_ids": [2], "meta_info": stamps}, 0.01, wall_time=100.51)
+    assert first.step_seconds == pytest.approx([0.3]) and later.step_seconds == [0.01]  # stamps: the first only
 
 
 def test_a_final_output_that_repeats_everything_adds_nothing():
@@ -307,6 +320,21 @@ async def test_step_durations_are_recorded_for_the_throughput_tier(make_sglang):
     assert _sample("megaserve_step_duration_seconds_count", labels | {"phase": "prefill"}) == 1
     assert _sample("megaserve_step_duration_seconds_count", labels | {"phase": "decode"}) == 5
     assert _sample("megaserve_step_duration_seconds_sum", labels | {"phase": "decode"}) > 0
+
+
+@pytest.mark.parametrize("enable_metrics", [True, False])
+async def test_the_prefill_step_leaves_out_the_wait_in_sglang_s_queue_where_sglang_stamps_it(make_sglang,
+                                                                                           enable_metrics):
+    engine, sglang = make_sglang(enable_metrics=enable_metrics)
+    sglang.queue_seconds = 0.3
+    labels = {"tier": "throughput", "model": engine.model_name, "phase": "prefill"}
+    items = [item async for item in engine.generate(_request(max_tokens=3))]
+    assert items[-1].finish_reason == FinishReason.LENGTH
+    prefill = _sample("megaserve_step_duration_seconds_sum", labels)
+    if enable_metrics:  # the stand-in's prefill is one STEP_SECONDS; the queue's 0.3 s is not a step
+        assert 0 <= prefill < 0.1 and items[0].step_seconds[0] == pytest.approx(prefill)
+    else:  # no stamps: the time since submission, the queue's wait included
+        assert prefill >= 0.3
 
 
 async def test_shutdown_aborts_running_streams_stops_sglang_and_refuses_new_ones(make_sglang):
