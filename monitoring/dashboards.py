@@ -203,7 +203,7 @@ def engines() -> dashboard.Dashboard:
         .with_panel(_panel(
             "Steps/s, by tier and phase", "Engine steps per second summed over replicas. SGLang "
             "does not report its batch steps: its replicas record one step per token of each request "
-            "(their rate is tokens/s), and the first, as prefill, includes the time queued.",
+            "(their rate is tokens/s); the first is the prefill, timed by SGLang's own stamps.",
             "ops", [Query(steps, "{{tier}} {{phase}}")]))
         .with_panel(_panel(
             "Kernel launches per decode step", "Measured once when each engine starts: a "
