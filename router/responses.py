@@ -87,15 +87,16 @@ class ResponseBuilder:
     async def sse(
         self, first: Delta, rest: AsyncGenerator[Delta, None], n: int, include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
-        """Role chunks (chat), then one chunk per delta, the usage chunk if asked, `[DONE]`."""
+        """Role chunks (chat), then one chunk per delta, the usage chunk if asked, `[DONE]`. As
+        OpenAI's, the chunks have `"usage": null` when the usage is asked for and no `usage` else."""
         async with closing(rest):
             try:
                 if self.chat:
                     yield self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
-                                       for i in range(n)])
-                yield self._delta_chunk(first)
+                                       for i in range(n)], include_usage)
+                yield self._delta_chunk(first, include_usage)
                 async for delta in rest:
-                    yield self._delta_chunk(delta)
+                    yield self._delta_chunk(delta, include_usage)
             except (APIError, EngineError, GenerationFailed) as error:
                 message = error.message if isinstance(error, APIError) else f"generation failed: {error}"
                 yield _error_event(message)
@@ -105,20 +106,21 @@ class ResponseBuilder:
                 yield _error_event(f"internal error: {type(error).__name__}")
                 return
         if include_usage:
-            yield self._chunk([], usage=self.usage(), timing=self.timing())
+            yield self._chunk([], include_usage, usage=self.usage(), timing=self.timing())
         yield SSE_DONE
 
-    def _delta_chunk(self, delta: Delta) -> bytes:
+    def _delta_chunk(self, delta: Delta, include_usage: bool) -> bytes:
         if self.chat:
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
             return self._chunk([ChatChunkChoice(index=delta.index, delta=content,
-                                                finish_reason=delta.finish_reason)])
-        return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason)])
+                                                finish_reason=delta.finish_reason)], include_usage)
+        return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason)],
+                           include_usage)
 
-    def _chunk(self, choices: list, **extra) -> bytes:
+    def _chunk(self, choices: list, include_usage: bool, **extra) -> bytes:
         kind = ChatCompletionChunk if self.chat else Completion
-        return b"data: " + kind(**self.common, created=self.created, choices=choices, **extra).model_dump_json(
-        ).encode() + b"\n\n"
+        chunk = kind(**self.common, created=self.created, choices=choices, **extra)
+        return b"data: " + chunk.model_dump_json(exclude=None if include_usage else {"usage"}).encode() + b"\n\n"
 
 
 def _sse(payload: dict) -> bytes:

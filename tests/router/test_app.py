@@ -123,6 +123,7 @@ def test_n_choices_each_arrive_with_their_own_index(router_url):
         chunks = sse_payloads(response)[:-1]
     finishes = {c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]}
     assert finishes == {0, 1, 2}
+    assert not any("usage" in c for c in chunks)  # not asked for: absent, as OpenAI's (null only when asked)
 
 
 def test_long_prompts_go_to_throughput_and_the_header_can_pick_the_tier(router_url, tokenizer):
