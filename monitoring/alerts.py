@@ -94,8 +94,9 @@ REPLICA_HOLD = "2m"
 HEALTH_CHECKS_TO_REPLACE = 3
 HEALTH_CHECK_WINDOW = "15m"
 # Fewer healthy replicas than the deployment's target for this long: longer than a GPU replica's
-# start (weights and the kernel build), so that a rolling update does not page.
-BELOW_TARGET_HOLD = "10m"
+# start (k8s/rayservice.yaml's 70B over two nodes: weights from the volume, the kernel build in a
+# fresh pod), so that a rolling update does not page.
+BELOW_TARGET_HOLD = "15m"
 
 
 def _number(value: float) -> str:
