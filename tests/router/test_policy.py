@@ -179,6 +179,15 @@ async def test_more_choices_than_the_tier_ever_runs_at_once_is_a_400_not_a_429(e
         assert "throughput" in caught.value.message and "2" in caught.value.message
     assert admission.slots[Tier.THROUGHPUT].in_flight == 0
 
+
+async def test_more_choices_than_this_router_s_share_ever_runs_is_a_400(engines):
+    """5 throughput slots over 2 routers: the second router runs at most 2 at once."""
+    admission = Admission(settings(throughput_capacity=5), backends(engines), position=lambda: (1, 2))
+    with pytest.raises(APIError) as caught:
+        await admission.admit(Route(Tier.THROUGHPUT, "n"), 3)
+    assert caught.value.status == 400 and "at most 2 choices" in caught.value.message
+
+
 class ReplicaCountBackend(EngineBackend):
     """A real engine behind a tier whose healthy replica count the test sets."""
 
