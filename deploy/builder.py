@@ -219,6 +219,6 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         num_replicas=config.routing.router_replicas,
         # a router's streams last as long as its tiers' generations
         graceful_shutdown_timeout_s=max(tier.graceful_shutdown_seconds for tier in tiers),
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": process_env}},
+        ray_actor_options={"num_cpus": config.routing.router_cpus, "runtime_env": {"env_vars": process_env}},
     ).bind(router_settings(config, env, directory), latency, throughput, config.metrics.bind_host,
            config.metrics.port)

@@ -235,6 +235,12 @@ class Routing(_Strict):
         "router can use every tier: with fewer latency replicas than routers, a batch-1 replica may "
         "get a second request, which then waits behind the first instead of spilling over.",
     )
+    router_cpus: float = Field(
+        0.0, ge=0, description="CPUs each router replica reserves (a Ray resource, not a limit). At 0 "
+        "Ray may place routers on any node, a head started with num-cpus 0 included (KubeRay's "
+        "advice), where they would share its CPUs with the GCS; k8s/rayservice.yaml reserves 1, "
+        "which keeps them on the workers.",
+    )
 
 
 class Metrics(_Strict):

@@ -148,3 +148,11 @@ def test_replicas_and_routers_let_running_generations_finish_when_they_stop(tmp_
                            ({"throughput": {"enabled": False}, "latency": {"graceful_shutdown_seconds": 45}}, 45)):
         router = builder.build_app({"model": {"path": str(tmp_path)}, **tiers})._bound_deployment
         assert router._deployment_config.graceful_shutdown_timeout_s == longest
+
+
+def test_routers_reserve_the_configured_cpus_and_none_by_default(tmp_path):
+    for routing, cpus in (({}, 0), ({"router_cpus": 1.5}, 1.5)):
+        router = builder.build_app({"model": {"path": str(tmp_path)}, "routing": routing})._bound_deployment
+        assert router.ray_actor_options["num_cpus"] == cpus
+    with pytest.raises(ValueError, match="router_cpus"):
+        AppConfig.model_validate({"routing": {"router_cpus": -1}})

@@ -98,7 +98,8 @@ def test_h200_config_fills_one_node_exactly():
     assert used == gpus_per_node
 
 
-def test_router_takes_no_gpu():
+def test_router_takes_no_gpu_and_a_cpu_that_keeps_it_off_a_head_without_cpus():
     for name in HARDWARE:
         router = _deployments(name)["RouterDeployment"]
         assert not router.ray_actor_options.num_gpus
+        assert router.ray_actor_options.num_cpus == 1

@@ -181,6 +181,8 @@ def test_head_has_no_gpus_and_takes_no_replicas():
     head = _cluster()["headGroupSpec"]
     assert _gpus(head["template"]["spec"]) == 0
     assert head["rayStartParams"]["num-cpus"] == "0"
+    _, config = _app_config()
+    assert config.routing.router_cpus > 0  # nor routers: an actor of 0 CPUs would fit on the head
 
 
 @pytest.mark.parametrize("group", ["latency", "throughput"])
