@@ -219,9 +219,9 @@ class Admission:
         return Lease(self.slots[route.tier], slots, route)
 
     def _refusal(self, tier: Tier, slots: int, *, unavailable: bool) -> APIError:
-        rank, routers = self.position()
-        capacity = router_share(self._full[tier][0], routers, rank)  # the most this router ever runs
-        if not unavailable and slots > capacity:  # waiting would never help
+        _, routers = self.position()
+        capacity = router_share(self._full[tier][0], routers, 0)  # the most any router ever runs
+        if not unavailable and slots > capacity:  # waiting, or another router, would never help
             return invalid(f"n is {slots} but the {tier.value} tier runs at most {capacity} choices at once; "
                            "ask for fewer", "n")
         state = "has no healthy replica" if unavailable else "is at capacity"

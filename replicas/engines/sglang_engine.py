@@ -179,11 +179,12 @@ class OutputReader:
         output_ids = output["output_ids"]
         if self.incremental:
             # meta_info["completion_tokens"] counts every output id so far: only those past
-            # `delivered` are new. (A request that SGLang itself aborts outside the output stream,
-            # its _handle_abort_req, ends with the last id it already streamed, repeated.)
+            # `delivered` are new. A request that SGLang itself aborts outside the output stream
+            # (its _handle_abort_req) ends with the last id it already streamed, repeated, and
+            # when SGLang coalesces chunks that waited, the repeat comes after their new ids.
             total = output["meta_info"].get("completion_tokens")
             fresh = len(output_ids) if total is None else min(max(total - self.delivered, 0), len(output_ids))
-            new = list(output_ids[len(output_ids) - fresh:])
+            new = list(output_ids[:fresh])
         else:
             new = list(output_ids[self.delivered:])
         first = self.delivered == 0

@@ -180,12 +180,15 @@ async def test_more_choices_than_the_tier_ever_runs_at_once_is_a_400_not_a_429(e
     assert admission.slots[Tier.THROUGHPUT].in_flight == 0
 
 
-async def test_more_choices_than_this_router_s_share_ever_runs_is_a_400(engines):
-    """5 throughput slots over 2 routers: the second router runs at most 2 at once."""
+async def test_more_choices_than_any_router_s_share_ever_runs_is_a_400(engines):
+    """5 throughput slots over 2 routers, 3 and 2: n = 4 never runs (400); n = 3 runs on the first
+    router, so the second answers 429, which a client retries, not 400."""
     admission = Admission(settings(throughput_capacity=5), backends(engines), position=lambda: (1, 2))
-    with pytest.raises(APIError) as caught:
-        await admission.admit(Route(Tier.THROUGHPUT, "n"), 3)
-    assert caught.value.status == 400 and "at most 2 choices" in caught.value.message
+    for n, status in ((4, 400), (3, 429)):
+        with pytest.raises(APIError) as caught:
+            await admission.admit(Route(Tier.THROUGHPUT, "n"), n)
+        assert caught.value.status == status
+    assert admission.slots[Tier.THROUGHPUT].in_flight == 0
 
 
 class ReplicaCountBackend(EngineBackend):

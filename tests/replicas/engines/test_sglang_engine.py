@@ -146,6 +146,11 @@ def test_an_incremental_abort_that_repeats_the_last_id_adds_nothing():
     chunk = reader.read({"output_ids": [2], "meta_info": {"finish_reason": abort, "completion_tokens": 2}}, 0.1)
     assert (chunk.token_ids, chunk.finish_reason, chunk.error) == ([], FinishReason.ABORT, "evicted")
     assert reader.delivered == 2
+    # chunks that waited, coalesced by SGLang with the abort's repeat: [3, 4] new, then 4 again
+    reader = OutputReader(incremental=True)
+    reader.read({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2}}, 0.1)
+    chunk = reader.read({"output_ids": [3, 4, 4], "meta_info": {"finish_reason": abort, "completion_tokens": 4}}, 0.1)
+    assert chunk.token_ids == [3, 4] and reader.delivered == 4
 
 
 def test_the_first_output_s_prefill_stamps_time_its_tokens():
