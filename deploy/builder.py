@@ -131,7 +131,7 @@ def model_dir(config: AppConfig, env: Environment) -> str:
 
 
 def router_settings(config: AppConfig, env: Environment, model_dir: str) -> RouterSettings:
-    """The tiers' whole capacities: each router replica admits its share (RouterSettings.for_router)."""
+    """The tiers' whole capacities: each router replica admits its share (router.settings.router_share)."""
     tiers = [t for t in (config.latency, config.throughput) if t.enabled]
     max_context = config.model.max_context or min(t.max_seq_len for t in tiers)
     latency_slots = config.latency.num_replicas if config.latency.enabled else 0

@@ -20,7 +20,8 @@ finds no free slot waits up to `latency_wait_seconds` in FIFO order, then spills
 latency's. Throughput never spills to latency: a batch-1 replica is too precious for work that asked
 for bulk service. A deployment of one tier serves every request on that tier (reason "only_tier"
 when it asked for the other). Refusals: 429 when the slots are taken, 503 when the tier has no
-healthy replica, both with Retry-After; 400 when `n` is more than the tier ever runs at once.
+healthy replica, both with Retry-After; 400 when `n` is more than any router's share of the tier
+ever runs at once.
 """
 
 from __future__ import annotations
@@ -38,15 +39,14 @@ from megaserve.router.settings import RouterSettings, router_share
 
 TIER_HEADER = "x-megaserve-tier"
 RouterPosition = Callable[[], tuple[int, int]]  # () -> (rank, routers): this router among its replicas
+SERVICE_TIER_TO_TIER = {"priority": Tier.LATENCY, "fast": Tier.LATENCY, "default": Tier.THROUGHPUT,
+                        "flex": Tier.THROUGHPUT, "scale": Tier.THROUGHPUT}
+OTHER_TIER = {Tier.LATENCY: Tier.THROUGHPUT, Tier.THROUGHPUT: Tier.LATENCY}
 
 
 def single_router() -> tuple[int, int]:
     """The position of a router that admits alone: rank 0 of 1."""
     return 0, 1
-
-SERVICE_TIER_TO_TIER = {"priority": Tier.LATENCY, "fast": Tier.LATENCY, "default": Tier.THROUGHPUT,
-                        "flex": Tier.THROUGHPUT, "scale": Tier.THROUGHPUT}
-OTHER_TIER = {Tier.LATENCY: Tier.THROUGHPUT, Tier.THROUGHPUT: Tier.LATENCY}
 
 
 @dataclass(frozen=True)
