@@ -44,6 +44,9 @@ class EngineError(Exception):
     """A request that an engine refuses (bad ids, too long, ...); the message is for the client."""
 
 
+# A seed is a signed 64-bit integer, as in vLLM's OpenAI server and SGLang's sampling_seed.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): logits / temperature would
 # overflow float32 (1e-300 is 0 in it), and the draw would then pick among infinities.
 GREEDY_TEMPERATURE = 1e-5
@@ -70,6 +73,8 @@ class SamplingParams:
             raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise EngineError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise EngineError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

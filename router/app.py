@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
-from megaserve.replicas.protocol import EngineError, GenerateRequest, SamplingParams, Tier
+from megaserve.replicas.protocol import SEED_MIN, EngineError, GenerateRequest, SamplingParams, Tier
 from megaserve.router.backend import Backend
 from megaserve.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, invalid
 from megaserve.router.generation import Delta, Generation, GenerationFailed
@@ -289,10 +289,11 @@ async def _collect(events: AsyncGenerator[Delta, None]) -> list[Delta]:
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choices of one request differ by seed (seed + index), so a seeded request is reproducible."""
+    """Choices of one request differ by seed (seed + index, wrapped into the seeds' 64-bit range), so
+    a seeded request is reproducible."""
     if index == 0 or sampling.seed is None:
         return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + index)
+    return dataclasses.replace(sampling, seed=(sampling.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
 
 
 def _json(model: BaseModel, headers: Mapping[str, str] | None = None) -> Response:

@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from megaserve.replicas.protocol import SEED_MAX, SEED_MIN
+
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 OpenAIFinishReason = Literal["stop", "length", "abort"]
 
@@ -126,7 +128,7 @@ class GenerationRequest(_Request):
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: disabled (vLLM's convention)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -16,13 +16,15 @@ leaves cancels our pump and `runtime.tokenizer_manager.abort_request(rid=...)` d
 from SGLang's batch at its next step.
 
 Stops are TorchEngine's (and vLLM's): a stop id ends a request with FinishReason.STOP, the stop id
-streamed last, and `ignore_eos` drops only EOS. SGLang's own check skips the stop ids too under
+streamed last, and `ignore_eos` drops only EOS. EOS is every id `hf_eos_token_ids` finds, sent as stop
+ids: SGLang itself stops only on config.json's and generation_config.json's, and with
+`skip_tokenizer_init` never on the tokenizer's `eos_token` (a fine-tune's chat end, often). SGLang's own check skips the stop ids too under
 `ignore_eos` (`Req._check_token_based_finish` returns early), so then they are not sent to SGLang:
 `OutputReader` ends the stream at the first one itself and the pump aborts the request in SGLang,
 as for a client that leaves.
 
 Launch settings the engine owns (OWNED_ARGS; `engine_args` may not set them): the model path,
-`tp_size`, `context_length` (the tier's max_seq_len, capped by the model), `dtype`,
+`tp_size`, `context_length` (the tier's max_seq_len, capped by the model, plus CONTEXT_MARGIN), `dtype`,
 `max_running_requests` (the tier's max_batch), `enable_metrics` (SGLang's own `sglang:*` metrics,
 written to PROMETHEUS_MULTIPROC_DIR, the node's megaserve metrics folder, and so served beside
 ours), `mem_fraction_static` (the tier's `sglang_mem_fraction_static`) and `skip_tokenizer_init`
@@ -31,7 +33,14 @@ chunked_prefill_size) comes through `engine_args`.
 `enable_priority_scheduling` is on unless `engine_args` says otherwise, so that
 `GenerateRequest.priority` orders SGLang's queue, larger first (SGLang's default direction). A seed
 maps to SGLang's `sampling_seed`, which SGLang honours when started with
-`enable_deterministic_inference`.
+`enable_deterministic_inference`; a sampled request without one gets a random one, since SGLang
+would give every unseeded request the same seed, 42, there.
+
+Context: SGLang serves requests of context_length - 1 tokens (its max_req_len), generates at most
+max_req_len - prompt - 1 tokens and refuses a prompt of max_req_len - 5 tokens or more. So the
+engine asks SGLang for CONTEXT_MARGIN more than `max_context`, so that prompt + max_tokens <=
+max_context runs to max_tokens as on the other tiers, and refuses at the call a prompt that leaves
+fewer than PROMPT_ROOM tokens of `max_context`, which SGLang would abort.
 
 Timing: SGLang does not stream per-step durations. Each chunk's tokens get the time since the
 previous chunk, split evenly; these are the values recorded as the prefill and decode step
@@ -57,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -76,6 +86,7 @@ from ..protocol import (
     Tier,
     context_limit,
 )
+from ..models.config import hf_eos_token_ids
 from .engine_metrics import EngineMetrics
 from .stream import Chunk, TokenStream
 
@@ -88,6 +99,9 @@ OWNED_ARGS = (
 INCREMENTAL_ARG = "incremental_streaming_output"
 TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k"
 FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+CONTEXT_MARGIN = 2  # SGLang's context_length beyond the engine's max_context (see the module's doc)
+PROMPT_ROOM = 5  # context tokens a prompt must leave (SGLang's max_req_len - 5 rule)
+SEED_BITS = 63  # an unseeded sampled request's random sampling_seed: a non-negative int64
 
 # The health probe: SGLang's own prefix (it drops late outputs of such rids quietly), one greedy
 # token from a one-token prompt, within a timeout below the replicas' health-check timeout
@@ -98,9 +112,9 @@ HEALTH_SAMPLING: dict[str, Any] = {"max_new_tokens": 1, "temperature": 0.0}
 HEALTH_TIMEOUT_SECONDS = 20.0
 
 
-def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
-    """SGLang's `sampling_params` dict for our SamplingParams; stop ids only where SGLang checks them
-    (see `own_stop_ids`)."""
+def sglang_sampling_params(params: SamplingParams, eos_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """SGLang's `sampling_params` dict for our SamplingParams and the model's end-of-sequence ids;
+    stop ids only where SGLang checks them (see `own_stop_ids`)."""
     mapped: dict[str, Any] = {
         "max_new_tokens": params.max_tokens,
         "temperature": 0.0 if params.greedy else params.temperature,  # greedy rows are greedy on every tier
@@ -108,10 +122,13 @@ def sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
         "top_k": params.top_k if params.top_k > 0 else TOP_K_DISABLED,
         "ignore_eos": params.ignore_eos,
     }
-    if params.stop_token_ids and not params.ignore_eos:
-        mapped["stop_token_ids"] = list(params.stop_token_ids)
+    stop_ids = list(dict.fromkeys((*params.stop_token_ids, *eos_ids)))
+    if stop_ids and not params.ignore_eos:
+        mapped["stop_token_ids"] = stop_ids
     if params.seed is not None:
         mapped["sampling_seed"] = params.seed
+    elif not params.greedy:
+        mapped["sampling_seed"] = random.getrandbits(SEED_BITS)
     return mapped
 
 
@@ -155,13 +172,17 @@ def engine_launch_args(
 
 
 def model_limits(hf_config: Mapping[str, Any], max_seq: int | None) -> tuple[int, int]:
-    """(vocab_size, context length) of a model from its Hugging Face config.json contents: the
-    tier's `max_seq`, capped by the model's positions (SGLang refuses a longer context_length)."""
+    """(vocab_size, context served) of a model from its Hugging Face config.json contents: the
+    tier's `max_seq`, capped so that SGLang's context_length, CONTEXT_MARGIN more, stays within the
+    model's positions (SGLang refuses a longer one)."""
     for key in ("vocab_size", "max_position_embeddings"):
         if key not in hf_config:
             raise ValueError(f"config.json lacks {key!r}")
     positions = int(hf_config["max_position_embeddings"])
-    return int(hf_config["vocab_size"]), context_limit(max_seq, positions)
+    served = min(context_limit(max_seq, positions), positions - CONTEXT_MARGIN)
+    if served <= PROMPT_ROOM:
+        raise ValueError(f"max_position_embeddings {positions} leaves SGLang no room for a prompt")
+    return int(hf_config["vocab_size"]), served
 
 
 @dataclass
@@ -254,12 +275,13 @@ class SGLangEngine(Engine):
         launch = launch or _sglang_engine_class()
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.vocab_size, self.max_context = model_limits(hf_config, max_seq)
+        self.eos_ids = hf_eos_token_ids(model_dir)
         self.model_name = model_name or Path(model_dir).name
         self.coalesce = coalesce
         self.health_timeout_seconds = health_timeout_seconds
         self.metrics = EngineMetrics(Tier(tier).value, self.model_name)
         self.launch_args = engine_launch_args(
-            model_dir, tp_size=tp_size, context_length=self.max_context, dtype=dtype,
+            model_dir, tp_size=tp_size, context_length=self.max_context + CONTEXT_MARGIN, dtype=dtype,
             max_running_requests=max_batch, enable_metrics=enable_metrics,
             mem_fraction_static=mem_fraction_static, engine_args=engine_args,
         )
@@ -275,6 +297,13 @@ class SGLangEngine(Engine):
             raise EngineError("the engine is shut down")
         self.validate(request)
         return self._generate(request)
+
+    def validate(self, request: GenerateRequest) -> None:
+        super().validate(request)
+        longest = self.max_context - PROMPT_ROOM
+        if len(request.prompt_token_ids) > longest:
+            raise EngineError(f"the prompt has {len(request.prompt_token_ids)} tokens but this tier takes at most "
+                              f"{longest} (SGLang keeps {PROMPT_ROOM} of the context of {self.max_context})")
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         # SGLang refuses a rid it already has; a retried request id must not collide.
@@ -295,7 +324,8 @@ class SGLangEngine(Engine):
         last = time.perf_counter()
         try:
             outputs = await self._runtime.async_generate(**generate_kwargs(
-                request.prompt_token_ids, sglang_sampling_params(request.sampling), rid, request.priority))
+                request.prompt_token_ids, sglang_sampling_params(request.sampling, self.eos_ids), rid,
+                request.priority))
             async for output in outputs:
                 for probe in self._probes:
                     probe.set()
@@ -358,6 +388,9 @@ class SGLangEngine(Engine):
                 waiter.cancel()
             await asyncio.gather(answer, other_output, return_exceptions=True)
             await outputs.aclose()
+            # As SGLang's /health_generate does: its abort of a health rid keeps the rid's state,
+            # which a probe that a busy scheduler skipped would otherwise leave behind.
+            self._runtime.tokenizer_manager.rid_to_state.pop(rid, None)
 
     async def shutdown(self) -> None:
         if self._closed:

@@ -84,12 +84,7 @@ class ModelConfig:
         if not config_path.is_file():
             raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
         config = cls.from_hf_dict(json.loads(config_path.read_text()))
-        generation_path = Path(path) / GENERATION_CONFIG_FILE
-        extra = _tokenizer_eos_id(Path(path))
-        if generation_path.is_file():
-            extra = _token_ids(json.loads(generation_path.read_text()).get("eos_token_id")) + extra
-        merged = config.eos_token_ids + tuple(dict.fromkeys(t for t in extra if t not in config.eos_token_ids))
-        return dataclasses.replace(config, eos_token_ids=merged)
+        return dataclasses.replace(config, eos_token_ids=hf_eos_token_ids(path))
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -172,6 +167,16 @@ def _rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict | None
     scaling = {"rope_type": LLAMA3_ROPE_TYPE, **{key: params[key] for key in LLAMA3_ROPE_KEYS}}
     scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
     return theta, scaling
+
+
+def hf_eos_token_ids(path: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of the checkpoint in `path`, of any architecture: config.json's,
+    then generation_config.json's, then the tokenizer's `eos_token`, each once."""
+    path = Path(path)
+    ids = _token_ids(json.loads((path / CONFIG_FILE).read_text()).get("eos_token_id"))
+    if (path / GENERATION_CONFIG_FILE).is_file():
+        ids += _token_ids(json.loads((path / GENERATION_CONFIG_FILE).read_text()).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids + _tokenizer_eos_id(path)))
 
 
 def _tokenizer_eos_id(path: Path) -> tuple[int, ...]:

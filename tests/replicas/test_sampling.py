@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from megaserve.replicas.protocol import SamplingParams
+from megaserve.replicas.protocol import EngineError, SamplingParams
 from megaserve.replicas.sampling import SamplingRows, SamplingTable, hash32, sample, seeded_uniform
 
 VOCAB = 50
@@ -143,9 +144,9 @@ def test_hash_stays_in_32_bits_for_extreme_inputs():
     assert len(set(h.tolist())) == 4
 
 
-def test_negative_and_huge_seeds_are_accepted():
+def test_negative_and_the_largest_seeds_draw_reproducibly():
     logits = _logits(2)
-    params = [SamplingParams(temperature=1.0, seed=-1), SamplingParams(temperature=1.0, seed=2**70)]
+    params = [SamplingParams(temperature=1.0, seed=-(2**63)), SamplingParams(temperature=1.0, seed=2**63 - 1)]
     first = _draw(logits, params, [0, 0])
     assert torch.equal(first, _draw(logits, params, [0, 0]))
 
@@ -159,3 +160,11 @@ def test_table_gathers_the_rows_of_admitted_slots():
     assert rows.greedy.tolist() == [False, True]
     assert rows.any_seeded and not rows.any_unseeded and rows.needs_filter and not rows.all_greedy
     assert table.gather([0, 1], torch.tensor([0, 1])).all_greedy
+
+
+def test_a_seed_is_a_64_bit_integer_on_every_tier():
+    """The range SGLang's sampling_seed takes (test_sglang_api.py), refused up front for every tier."""
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(EngineError, match="seed must be in"):
+            SamplingParams(seed=seed)

@@ -124,6 +124,9 @@ def test_n_choices_each_arrive_with_their_own_index(router_url):
     finishes = {c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]}
     assert finishes == {0, 1, 2}
     assert not any("usage" in c for c in chunks)  # not asked for: absent, as OpenAI's (null only when asked)
+    # choice i's seed is seed + i, wrapped into the 64-bit range the largest seed leaves no room in
+    wrapped = httpx.post(f"{router_url}/v1/chat/completions", json={**request, "seed": 2**63 - 1})
+    assert wrapped.status_code == 200 and len(wrapped.json()["choices"]) == 3
 
 
 def test_long_prompts_go_to_throughput_and_the_header_can_pick_the_tier(router_url, tokenizer):

@@ -10,7 +10,10 @@ aborts ends as SGLang's `_handle_abort_req` ends one: with every id so far, or w
 streaming the last one again (test_sglang_api.py checks that against the source). With
 `enable_metrics` its meta_info carries SGLang's wall-clock "forward_entry_time" and
 "prefill_finished_time" once they have happened; `queue_seconds` is a wait in its queue before the
-first forward. Its "model"
+first forward. It applies SGLang's length limits to the launch's context_length (`max_req_len`: at
+most max_req_len - prompt - 1 new tokens, prompts of max_req_len - 5 tokens or more aborted), and
+keeps each request's entry in the tokenizer manager's `rid_to_state` until it ends, except a health
+probe's that it aborts (SGLang's `_handle_abort_req` returns early for those). Its "model"
 continues a prompt ending in t with t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's
 rule (`stops_on`).
 """
@@ -23,6 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 STEP_SECONDS = 0.001
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's (test_sglang_api.py checks the engine's)
 
 
 def stops_on(params: dict[str, Any], token: int) -> bool:
@@ -35,6 +39,7 @@ def stops_on(params: dict[str, Any], token: int) -> bool:
 class StandInTokenizerManager:
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.rid_to_state: dict[str, dict[str, Any]] = {}
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self.aborted.append(rid)
@@ -58,15 +63,35 @@ class StandInSGLang:
             raise ValueError("the stand-in streams only")
         self.requests.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
                               "priority": priority, "stream": stream})
+        self.tokenizer_manager.rid_to_state[rid] = {}
         return self._outputs(input_ids, sampling_params, rid, self.stalled, self.failure, self.queue_seconds)
 
     async def _outputs(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
                        failure: Exception | None, queue_seconds: float) -> AsyncIterator[dict[str, Any]]:
+        states = self.tokenizer_manager.rid_to_state
+        try:
+            async for output in self._steps(prompt, params, rid, stalled, failure, queue_seconds):
+                if output["meta_info"]["finish_reason"] is not None:
+                    states.pop(rid, None)  # a request that ends, health probes too
+                yield output
+        finally:  # one aborted or closed early: SGLang's abort keeps a health probe's entry
+            if not rid.startswith(HEALTH_CHECK_RID_PREFIX):
+                states.pop(rid, None)
+
+    async def _steps(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
+                     failure: Exception | None, queue_seconds: float) -> AsyncIterator[dict[str, Any]]:
         if failure is not None:
             raise failure
         if stalled:
             await asyncio.Event().wait()
         incremental = self.launch_args.get("incremental_streaming_output", False)
+        max_req_len = self.launch_args["context_length"] - 1
+        if len(prompt) >= max_req_len - 5:
+            message = f"Input length ({len(prompt)} tokens) exceeds the maximum allowed length ({max_req_len - 5})"
+            yield {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": message},
+                                                   "completion_tokens": 0}}
+            return
+        max_new_tokens = min(params["max_new_tokens"], max_req_len - len(prompt) - 1)
         await asyncio.sleep(queue_seconds)
         entered = time.time()
         prefilled: float | None = None
@@ -86,7 +111,7 @@ class StandInSGLang:
             reason = None
             if stops_on(params, token):
                 reason = {"type": "stop", "matched": token}
-            elif len(output_ids) == params["max_new_tokens"]:
+            elif len(output_ids) == max_new_tokens:
                 reason = {"type": "length", "length": len(output_ids)}
             yield {"output_ids": [token] if incremental else list(output_ids),
                    "meta_info": {"finish_reason": reason, "completion_tokens": len(output_ids), **stamps}}

@@ -19,16 +19,18 @@ import pytest
 
 from megaserve.deploy.config import ModelSpec
 from megaserve.replicas.engines.sglang_engine import (
+    CONTEXT_MARGIN,
     FINISH_TYPES,
     HEALTH_RID_PREFIX,
     HEALTH_SAMPLING,
     INCREMENTAL_ARG,
+    PROMPT_ROOM,
     TOP_K_DISABLED,
     engine_launch_args,
     generate_kwargs,
     sglang_sampling_params,
 )
-from megaserve.replicas.protocol import SamplingParams
+from megaserve.replicas.protocol import SEED_MAX, SEED_MIN, SamplingParams
 from tests.replicas.engines.sglang_stand_in import StandInSGLang, StandInTokenizerManager, stops_on
 from tests.replicas.engines.sglang_source import SGLangSource, keyword_value, pinned_version, type_names, wheel_path
 
@@ -209,3 +211,37 @@ def test_sglang_metrics_are_written_to_the_node_s_metrics_folder(sglang, tmp_pat
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     namespace["set_prometheus_multiproc_dir"]()
     assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path)
+
+
+def test_sglang_s_length_limits_are_those_the_engine_leaves_room_for(sglang):
+    """CONTEXT_MARGIN and PROMPT_ROOM: SGLang's max_req_len is context_length - 1, a request gets at
+    most max_req_len - prompt - 1 new tokens, and a prompt of max_req_len - 5 tokens or more is refused."""
+    worker = ast.unparse(sglang.method(sglang.cls("sglang.srt.managers.tp_worker", "TpModelWorker"),
+                                       "get_worker_info"))
+    assert "max_req_len = min(self.model_config.context_len - 1, kv_capacity - 1)" in worker
+    assert f"max_req_input_len = max_req_len - {PROMPT_ROOM}" in worker
+    scheduler = sglang.cls("sglang.srt.managers.scheduler", "Scheduler")
+    assert "self.max_req_len - input_len - 1" in ast.unparse(sglang.method(scheduler, "init_req_max_new_tokens"))
+    check = ast.unparse(sglang.function("sglang.srt.managers.utils", "validate_input_length"))
+    assert "if len(req.origin_input_ids) >= max_req_input_len:" in check
+    assert CONTEXT_MARGIN == 2  # context_length - 1 - prompt - 1 new tokens = max_context - prompt
+
+
+def test_an_aborted_health_probe_keeps_its_state_and_sglang_s_own_probe_drops_it(sglang):
+    """What SGLangEngine._probe's cleanup mirrors."""
+    manager = sglang.cls(TOKENIZER_MANAGER, "TokenizerManager")
+    first = sglang.method(manager, "_handle_abort_req").body[0]
+    assert ast.unparse(first) == "if is_health_check_generate_req(recv_obj):\n    return"
+    (probe,) = [node for node in ast.walk(sglang.module("sglang.srt.entrypoints.http_server"))
+                if isinstance(node, ast.AsyncFunctionDef) and node.name == "health_generate"]
+    assert "_global_state.tokenizer_manager.rid_to_state.pop(rid, None)" in ast.unparse(probe)
+
+
+def test_deterministic_sampling_seeds_unseeded_requests_with_one_constant_and_takes_int64_seeds(sglang):
+    """Why the engine sends a random seed with every unseeded sampled request, and the seed range
+    SamplingParams and the router enforce (SEED_MIN, SEED_MAX)."""
+    batch = ast.unparse(sglang.cls("sglang.srt.sampling.sampling_batch_info", "SamplingBatchInfo"))
+    assert "r.sampling_params.sampling_seed if r.sampling_params.sampling_seed is not None else 42" in batch
+    verify = ast.unparse(sglang.method(sglang.cls(SAMPLING, "SamplingParams"), "verify"))
+    assert "if not -2 ** 63 <= self.sampling_seed <= 2 ** 63 - 1:" in verify
+    assert (SEED_MIN, SEED_MAX) == (-2**63, 2**63 - 1)

@@ -16,6 +16,8 @@ from prometheus_client import REGISTRY
 
 from megaserve.replicas.engines import create_engine
 from megaserve.replicas.engines.sglang_engine import (
+    CONTEXT_MARGIN,
+    PROMPT_ROOM,
     OutputReader,
     SGLangEngine,
     engine_launch_args,
@@ -62,6 +64,21 @@ def test_defaults_disable_top_k_and_leave_out_unset_fields():
     assert "stop_token_ids" not in mapped and "sampling_seed" not in mapped
 
 
+def test_the_model_s_eos_ids_are_sent_as_stop_ids_unless_ignore_eos():
+    """SGLang with skip_tokenizer_init never learns the tokenizer's eos_token: it is sent with the rest."""
+    mapped = sglang_sampling_params(SamplingParams(stop_token_ids=(7, 2)), eos_ids=(2, 9))
+    assert mapped["stop_token_ids"] == [7, 2, 9]
+    assert sglang_sampling_params(SamplingParams(), eos_ids=(9,))["stop_token_ids"] == [9]
+    assert "stop_token_ids" not in sglang_sampling_params(SamplingParams(ignore_eos=True), eos_ids=(9,))
+
+
+def test_an_unseeded_sampled_request_gets_a_random_seed():
+    """SGLang's deterministic mode would give every unseeded request the seed 42 (test_sglang_api.py)."""
+    seeds = {sglang_sampling_params(SamplingParams(temperature=0.8))["sampling_seed"] for _ in range(8)}
+    assert len(seeds) == 8 and all(0 <= seed < 2**63 for seed in seeds)
+    assert sglang_sampling_params(SamplingParams(temperature=0.8, seed=-3))["sampling_seed"] == -3
+
+
 def test_launch_args_layer_defaults_caller_and_owned_settings():
     args = engine_launch_args("/models/m", tp_size=4, context_length=8192, dtype="bfloat16",
                               max_running_requests=128, mem_fraction_static=0.85,
@@ -100,12 +117,16 @@ def test_generate_kwargs_stream_one_request_by_token_ids():
 
 
 def test_model_limits_cap_the_tier_s_sequence_length_by_the_model():
+    """SGLang gets a context_length CONTEXT_MARGIN longer than the tier serves: within the positions."""
     config = {"vocab_size": 1000, "max_position_embeddings": 4096}
-    assert model_limits(config, None) == (1000, 4096)
+    assert model_limits(config, None) == (1000, 4096 - CONTEXT_MARGIN)
     assert model_limits(config, 2048) == (1000, 2048)
-    assert model_limits(config, 10**6) == (1000, 4096)
+    assert model_limits(config, 4095) == (1000, 4096 - CONTEXT_MARGIN)
+    assert model_limits(config, 10**6) == (1000, 4096 - CONTEXT_MARGIN)
     with pytest.raises(ValueError, match="vocab_size"):
         model_limits({"max_position_embeddings": 8}, None)
+    with pytest.raises(ValueError, match="no room for a prompt"):
+        model_limits({"vocab_size": 10, "max_position_embeddings": PROMPT_ROOM + CONTEXT_MARGIN}, None)
 
 
 def test_cumulative_outputs_become_new_tokens_with_split_step_times():
@@ -226,10 +247,28 @@ async def test_the_engine_starts_sglang_with_the_tier_s_settings(make_sglang, ti
     engine, sglang = make_sglang(tp_size=2, max_seq=256, max_batch=4, dtype="float32", mem_fraction_static=0.5)
     assert sglang.launch_args == {
         "enable_priority_scheduling": True, "mem_fraction_static": 0.5, "model_path": str(tiny_model_dir),
-        "tp_size": 2, "context_length": 256, "dtype": "float32", "max_running_requests": 4,
+        "tp_size": 2, "context_length": 256 + CONTEXT_MARGIN, "dtype": "float32", "max_running_requests": 4,
         "enable_metrics": True, "skip_tokenizer_init": True,
     }
-    assert (engine.vocab_size, engine.max_context) == (512, 256)
+    assert (engine.vocab_size, engine.max_context, engine.eos_ids) == (512, 256, (508, 511))
+
+
+async def test_a_request_that_fills_the_context_runs_to_max_tokens_and_a_long_prompt_is_refused(make_sglang):
+    """SGLang's own limits (max_req_len = context_length - 1, at most max_req_len - prompt - 1 new
+    tokens, prompts under max_req_len - 5; pinned in test_sglang_api.py) applied to the launch's
+    context_length: every request the engine accepts fits them."""
+    engine, sglang = make_sglang(max_seq=64)
+    max_req_len = sglang.launch_args["context_length"] - 1
+    prompt = (5,) * 40
+    items = [item async for item in engine.generate(_request(prompt, max_tokens=64 - 40))]
+    assert sum(len(item.token_ids) for item in items) == 64 - 40 <= max_req_len - len(prompt) - 1
+    assert items[-1].finish_reason == FinishReason.LENGTH
+    longest = (5,) * (64 - PROMPT_ROOM)
+    assert len(longest) < max_req_len - 5
+    items = [item async for item in engine.generate(_request(longest, max_tokens=1))]
+    assert items[-1].finish_reason == FinishReason.LENGTH and items[-1].token_ids
+    with pytest.raises(EngineError, match="at most 59"):
+        engine.generate(_request(longest + (5,), max_tokens=1))
 
 
 @pytest.mark.parametrize("incremental", [False, True])
@@ -381,6 +420,21 @@ async def test_a_busy_sglang_is_healthy_while_other_requests_get_tokens(make_sgl
     health = await engine.health()
     assert health.healthy and health.running_requests == 1
     assert time.monotonic() - started < 5.0  # seen from the running request, not the 10 s timeout waited out
+    await stream.aclose()
+
+
+async def test_health_probes_leave_no_request_state_in_sglang(make_sglang):
+    """A probe that a busy SGLang never answers is closed by the engine, and SGLang's abort of a
+    health rid keeps its entry in rid_to_state (pinned in test_sglang_api.py): the engine drops it."""
+    engine, sglang = make_sglang(health_timeout_seconds=10.0)
+    assert (await engine.health()).healthy  # answered
+    stream = engine.generate(_request(max_tokens=400))
+    await anext(stream)
+    sglang.stalled = True  # the probes wait in the queue behind the running request
+    for _ in range(3):
+        assert (await engine.health()).healthy
+    probes = [call["rid"] for call in sglang.requests if call["rid"].startswith("HEALTH_CHECK")]
+    assert len(probes) == 4 and not set(probes) & set(sglang.tokenizer_manager.rid_to_state)
     await stream.aclose()
 
 
