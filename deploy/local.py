@@ -118,6 +118,9 @@ def _deployment_progress(status) -> str:
 def serve_until_interrupted(config_path: str | None, host: str | None, port: int | None,
                             timeout: float, env: Environment) -> int:
     started = time.monotonic()
+    # Before anything imports Ray (reading the config imports ray.serve.schema): Ray fixes its auth
+    # mode at import, and the cluster it starts inherits this environment.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:  # a bad config is reported before Ray starts, in one message
         config = load_serve_config(config_path)
         applications = config["applications"]
@@ -133,7 +136,6 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         print(f"megaserve up: {error}", file=sys.stderr)
         return 2
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
     from ray import serve
 

@@ -31,6 +31,7 @@ def _start_up(tmp_path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = dict(os.environ, MEGASERVE_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1",
                RAY_AUTH_TOKEN=secrets.token_hex(16))
+    env.pop("RAY_AUTH_MODE")  # as in a fresh shell: `megaserve up` turns token auth on itself
     proc = subprocess.Popen(
         [sys.executable, "-m", "megaserve.deploy.cli", "up", str(path), "--port", str(port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
