@@ -3,7 +3,8 @@
 Each of the request's `n` choices is one `GenerateRequest` to the tier's backend. Its token ids
 are detokenized incrementally; stop strings are matched on the text (the output ends before the
 stop string, finish_reason "stop") and the replica stream is then closed, so the replica stops
-decoding. Leaving `events()` early (client gone, error) closes every replica stream at once.
+decoding. A stop token id that ends a choice counts as a completion token but adds no text, as in
+vLLM and SGLang by default. Leaving `events()` early (client gone, error) closes every replica stream at once.
 
 Metrics: time to first token (arrival to the first token of any choice), inter-token latency
 (per token after a choice's first, the wall time since the choice's previous output, spread over
@@ -133,15 +134,20 @@ class Generation:
     async def _choice_deltas(self, index: int, request: GenerateRequest) -> AsyncGenerator[Delta, None]:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         matcher = StopMatcher(self.stops)
+        stop_ids = frozenset(request.sampling.stop_token_ids)
         first = True
         final: Delta | None = None
         async with closing(self.backend.stream(request)) as stream:
             async for output in stream:
                 # Token by token, so that a stop string ends the count at the token that completes it.
                 released, stopped, used = "", False, 0
-                for token in output.token_ids:
+                last = len(output.token_ids) - 1
+                for position, token in enumerate(output.token_ids):
+                    used += 1
+                    if position == last and output.finish_reason is FinishReason.STOP and token in stop_ids:
+                        break  # the stop id that ended the choice (engines stream it last): no text
                     text, stopped = matcher.push(detokenizer.push(token))
-                    released, used = released + text, used + 1
+                    released += text
                     if stopped:
                         break
                 if not stopped and output.finish_reason is not None:

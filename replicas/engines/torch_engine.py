@@ -19,8 +19,8 @@ Each forward gets its attention length (`context_len`) from the host, so the mod
 Requests are validated as vLLM does: token ids must be in the vocabulary and prompt + max_tokens
 must fit the context, else EngineError; the context limit therefore never cuts a generation
 short, and LENGTH always means max_tokens was reached. The stop token (eos or a stop id) is
-included in the streamed tokens, as generated; the router leaves a special token (eos) out of the
-text and keeps a stop id's text, as vLLM does.
+included in the streamed tokens, as generated; the router leaves its text out, as vLLM does (a stop
+id's unless `include_stop_str_in_output`, which it does not offer).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from megaserve.monitoring.metrics import FINISHED_REQUESTS, GENERATION_TOKENS, INTER_TOKEN_LATENCY
-from megaserve.replicas.protocol import FinishReason, GenerateRequest, StepOutput, Tier
+from megaserve.replicas.protocol import FinishReason, GenerateRequest, SamplingParams, StepOutput, Tier
 from megaserve.router.generation import Generation, GenerationFailed, StopMatcher
 from megaserve.router.tokenizer import Tokenizer
 
@@ -89,6 +89,40 @@ def test_usage_counts_the_tokens_up_to_the_one_that_completes_a_stop_string(toke
     assert generation.decode_tokens == completing - 1  # the first token's step is the prefill
     generation, text = asyncio.run(generate(tokenizer, token_ids, ()))
     assert text == "ab STOP cd ef gh" and generation.completion_tokens == len(token_ids)
+
+
+class StopIdBackend:
+    """A replica whose generation ends on a stop id, streamed last with finish_reason STOP."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        yield StepOutput(self.token_ids[:1], [STEP_SECONDS])
+        yield StepOutput(self.token_ids[1:], [STEP_SECONDS] * (len(self.token_ids) - 1), FinishReason.STOP)
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("stop_ids", [True, False])
+def test_a_stop_id_that_ends_a_choice_is_counted_but_adds_no_text(tokenizer, stop_ids):
+    """vLLM's and SGLang's default (include_stop_str_in_output / no_stop_trim off); the same token
+    ending a choice without being a stop id (a replica's own finish, say) keeps its text."""
+    token_ids = tokenizer.encode("ab cd ef", add_special_tokens=False)
+    stop = token_ids[-1]
+    request = GenerateRequest("r", (1, 2, 3), SamplingParams(stop_token_ids=(stop,) if stop_ids else ()))
+    generation = Generation(StopIdBackend(token_ids), [request], Tier.LATENCY, "m", tokenizer, (),
+                            arrival=time.perf_counter())
+    deltas = asyncio.run(_collect(generation.events()))
+    expected = tokenizer.decode(token_ids[:-1] if stop_ids else token_ids)
+    assert "".join(d.text for d in deltas) == expected
+    assert tokenizer.decode(token_ids[:-1]) != tokenizer.decode(token_ids)  # the stop id has text
+    assert deltas[-1].finish_reason == "stop" and generation.completion_tokens == len(token_ids)
+
+
+async def _collect(events: AsyncGenerator) -> list:
+    return [delta async for delta in events]
 
 
 class FailingBackend:
