@@ -62,11 +62,15 @@ def create_app(
     backends: Mapping[Tier, Backend],
     tokenizer: Tokenizer | None = None,
     position: RouterPosition = single_router,
+    disconnect_errors: tuple[type[Exception], ...] = (),
 ) -> FastAPI:
     """The router app over `backends` (one per enabled tier); the tokenizer is read from
-    `settings.model_dir` unless given; `position` places it among several router replicas."""
+    `settings.model_dir` unless given; `position` places it among several router replicas;
+    `disconnect_errors` are what reading a request's body raises where its client has left, besides
+    Starlette's ClientDisconnect (under Serve, Ray's TaskCancelledError)."""
     settings = capped_by_model(settings)
-    router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir), position)
+    router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir), position,
+                     disconnect_errors)
     app = FastAPI(title="megaserve", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.router = router
     app.add_exception_handler(APIError, router.error_response)
@@ -83,8 +87,9 @@ def create_app(
 
 class _Router:
     def __init__(self, settings: RouterSettings, backends: Mapping[Tier, Backend], tokenizer: Tokenizer,
-                 position: RouterPosition) -> None:
+                 position: RouterPosition, disconnect_errors: tuple[type[Exception], ...]) -> None:
         self.settings = settings
+        self.disconnect_errors = disconnect_errors
         self.backends = backends
         self.tokenizer = tokenizer
         self.admission = Admission(settings, backends, position)
@@ -181,11 +186,14 @@ class _Router:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except self.disconnect_errors as error:  # the client left: answered as Starlette's own case is
+            raise ClientDisconnect() from error
         return b"".join(chunks)
 
     def _check_model(self, model: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 
 from fastapi import FastAPI
 from ray import serve
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -131,4 +131,6 @@ class RouterDeployment:
         start_router_series(settings.model_name, tuple(tier.value for tier in self.backends))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self.settings, self.backends, position=serve_router_position)
+        # Serve relays a body that its client stops sending as a cancelled task.
+        return create_app(self.settings, self.backends, position=serve_router_position,
+                          disconnect_errors=(TaskCancelledError,))

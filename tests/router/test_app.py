@@ -3,11 +3,14 @@ and not, the tier echoed, usage, stop strings, n, auth, /v1/models and /health."
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import shutil
 
 import httpx
 import pytest
+from ray.exceptions import TaskCancelledError
 
 from megaserve.replicas.protocol import Tier
 from megaserve.router.app import create_app
@@ -228,3 +231,28 @@ def test_a_single_tier_deployment_serves_everything_from_it(serve_router, engine
     assert response.headers["x-megaserve-tier"] == "throughput"
     assert response.headers["x-megaserve-route-reason"] == "only_tier"
     assert httpx.get(url + "/health").json()["tiers"]["latency"]["healthy"] is False
+
+
+@pytest.mark.parametrize("disconnect_errors, status", [((TaskCancelledError,), 499), ((), 500)])
+def test_a_client_that_leaves_while_sending_its_body_is_answered_as_gone_not_as_an_error(
+        engines, tokenizer, demo_model_dir, caplog, disconnect_errors, status):
+    """Under Serve, a body its client stops sending ends the relay with Ray's TaskCancelledError
+    (the deployment passes it as a disconnect error): 499 quietly, not a logged 500."""
+    backends = {tier: EngineBackend(engine) for tier, engine in engines.items()}
+    app = create_app(router_settings(demo_model_dir), backends, tokenizer, disconnect_errors=disconnect_errors)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        raise TaskCancelledError()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    with contextlib.suppress(TaskCancelledError):  # Starlette re-raises what it answered 500 for
+        asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == status
+    assert ("unexpected error serving" in caplog.text) == (status == 500)
