@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import jsonschema
@@ -25,7 +26,12 @@ GPU = "nvidia.com/gpu"
 GPUS_PER_GB300_TRAY = 4
 NVLINK_DOMAIN_LABEL = "nvidia.com/gpu.clique"  # one NVL72 rack's NVLink domain, per node
 RAY_METRICS_PORT_NAME = "metrics"
-MEGASERVE_METRICS_PORT_NAME = "megaserve-metrics"
+MEGASERVE_METRICS_PORT_NAME = "megaserve"
+# A container port's name is an IANA_SVC_NAME (k8s.io/apimachinery validation.IsValidPortName): the
+# API server refuses a pod whose port name breaks it, which neither kubernetes-validate nor the
+# CRD schemas check.
+PORT_NAME_MAX_CHARS = 15
+PORT_NAME_CHARSET = re.compile(r"[-a-z0-9]+")
 LAST_APPLIED_ANNOTATION_LIMIT_BYTES = 256 * 1024
 
 
@@ -110,6 +116,36 @@ def _gpus(pod_spec: dict) -> int:
     return int(container.get("resources", {}).get("limits", {}).get(GPU, 0))
 
 
+def _containers(node) -> list[dict]:
+    """Every container and init container anywhere in a manifest (all pod templates)."""
+    if isinstance(node, list):
+        return [c for item in node for c in _containers(item)]
+    if not isinstance(node, dict):
+        return []
+    found = []
+    for key, value in node.items():
+        if key in ("containers", "initContainers"):
+            found.extend(value)
+        found.extend(_containers(value))
+    return found
+
+
+def _port_name_problems(name: str) -> list[str]:
+    """Why Kubernetes refuses `name` as a container port's name (none: it is a valid one)."""
+    problems = []
+    if len(name) > PORT_NAME_MAX_CHARS:
+        problems.append(f"longer than {PORT_NAME_MAX_CHARS} characters")
+    if not PORT_NAME_CHARSET.fullmatch(name):
+        problems.append("not only a-z, 0-9 and '-'")
+    if not re.search("[a-z]", name):
+        problems.append("no letter")
+    if "--" in name:
+        problems.append("'--'")
+    if name.startswith("-") or name.endswith("-"):
+        problems.append("a leading or trailing '-'")
+    return problems
+
+
 def _is_core(doc: dict) -> bool:
     return "." not in doc["apiVersion"].split("/")[0]  # v1, apps/v1; not ray.io/v1
 
@@ -132,6 +168,22 @@ def test_every_pod_template_is_a_valid_pod(group):
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": group},
            "spec": _pod_specs()[group]}
     kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_container_port_name_is_one_kubernetes_accepts():
+    ports = [port for container in _containers(_documents()) for port in container.get("ports", [])]
+    assert ports
+    refused = {port["name"]: _port_name_problems(port["name"]) for port in ports if "name" in port}
+    assert {name: problems for name, problems in refused.items() if problems} == {}
+
+
+@pytest.mark.parametrize(("name", "valid"), [
+    ("megaserve", True), ("metrics", True), ("gcs-server", True), ("h2c", True),
+    ("megaserve-metrics", False), ("Metrics", False), ("9400", False), ("ray--metrics", False),
+    ("-metrics", False), ("metrics-", False), ("", False),
+])
+def test_the_port_name_rule_refuses_what_kubernetes_refuses(name, valid):
+    assert (not _port_name_problems(name)) == valid
 
 
 def test_a_broken_manifest_is_caught():
