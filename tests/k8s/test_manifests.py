@@ -33,6 +33,9 @@ MEGASERVE_METRICS_PORT_NAME = "megaserve"
 PORT_NAME_MAX_CHARS = 15
 PORT_NAME_CHARSET = re.compile(r"[-a-z0-9]+")
 LAST_APPLIED_ANNOTATION_LIMIT_BYTES = 256 * 1024
+# RayService fields the CRD still accepts but KubeRay ignores (rayservice_types.go: "Deprecated: This
+# field is not used anymore"): setting one only suggests a behaviour that does not exist.
+IGNORED_RAYSERVICE_FIELDS = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
 
 
 def _documents() -> list[dict]:
@@ -213,6 +216,10 @@ def test_serve_config_is_deploy_gb300_yaml_and_parses_with_both_schemas():
     assert config.latency.resolved_engine == "megakernel"
     assert config.throughput.engine == "sglang"
     assert config.metrics.bind_host == "0.0.0.0"
+
+
+def test_the_rayservice_sets_no_field_that_kuberay_ignores():
+    assert not IGNORED_RAYSERVICE_FIELDS & set(_one("RayService")["spec"])
 
 
 def test_ray_token_authentication_stays_on():
