@@ -33,6 +33,13 @@ MEGASERVE_METRICS_PORT_NAME = "megaserve"
 PORT_NAME_MAX_CHARS = 15
 PORT_NAME_CHARSET = re.compile(r"[-a-z0-9]+")
 LAST_APPLIED_ANNOTATION_LIMIT_BYTES = 256 * 1024
+# The documents whose Kubernetes steps a reader follows, each with the heading of those steps.
+KUBERNETES_STEPS = {"README.md": "## Deploy on Kubernetes (KubeRay)",
+                    "docs/operations.md": "## Deploy on Kubernetes with KubeRay (GB300)"}
+BASH_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+NAMESPACE_STEP = re.compile(r"kustomize edit set namespace (\S+)")
+SECRET_STEP = re.compile(r"kubectl -n (\S+) create secret \S+ (\S+)")
+APPLY_STEP = re.compile(r"kubectl -n (\S+) apply -f - <<'(\w+)'\n(.*?)\n\2\n", re.S)
 # RayService fields the CRD still accepts but KubeRay ignores (rayservice_types.go: "Deprecated: This
 # field is not used anymore"): setting one only suggests a behaviour that does not exist.
 IGNORED_RAYSERVICE_FIELDS = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
@@ -147,6 +154,40 @@ def _port_name_problems(name: str) -> list[str]:
     if name.startswith("-") or name.endswith("-"):
         problems.append("a leading or trailing '-'")
     return problems
+
+
+def _objects(node) -> list[dict]:
+    """`node` and every mapping nested in it."""
+    if isinstance(node, list):
+        return [o for item in node for o in _objects(item)]
+    if not isinstance(node, dict):
+        return []
+    return [node] + [o for value in node.values() for o in _objects(value)]
+
+
+def _used_secrets_and_claims() -> dict[str, set[str]]:
+    """Kind -> names of the Secrets and PersistentVolumeClaims the manifests' pods need."""
+    used = {"Secret": set(), "PersistentVolumeClaim": set()}
+    for obj in _objects(_documents()):
+        for key in ("secretKeyRef", "secretRef"):
+            if key in obj:
+                used["Secret"].add(obj[key]["name"])
+        if "secretName" in obj.get("secret", {}):
+            used["Secret"].add(obj["secret"]["secretName"])
+        if "persistentVolumeClaim" in obj:
+            used["PersistentVolumeClaim"].add(obj["persistentVolumeClaim"]["claimName"])
+    return used
+
+
+def _created_in(steps: str) -> dict[str, set[tuple[str, str]]]:
+    """Kind -> (namespace, name) of each object a document's shell steps create."""
+    created = {"Secret": set(), "PersistentVolumeClaim": set()}
+    created["Secret"] |= set(SECRET_STEP.findall(steps))
+    for namespace, _, manifest in APPLY_STEP.findall(steps):
+        for obj in yaml.safe_load_all(manifest):
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            created.setdefault(obj["kind"], set()).add((namespace, obj["metadata"]["name"]))
+    return created
 
 
 def _is_core(doc: dict) -> bool:
@@ -321,6 +362,19 @@ def test_pod_monitor_scrapes_both_ports_of_every_pod_under_the_expected_jobs():
     jobs = {e["port"]: e["relabelings"] for e in monitor["podMetricsEndpoints"]}
     assert jobs[MEGASERVE_METRICS_PORT_NAME] == [{"targetLabel": "job", "replacement": METRICS_JOB}]
     assert jobs[RAY_METRICS_PORT_NAME] == [{"targetLabel": "job", "replacement": RAY_JOB}]
+
+
+@pytest.mark.parametrize("document", KUBERNETES_STEPS)
+def test_the_kubernetes_steps_create_every_secret_and_claim_the_pods_need(document):
+    # A missing Secret or claim does not fail `kubectl apply`: the pods wait for it, forever.
+    section = (REPO / document).read_text().split(KUBERNETES_STEPS[document] + "\n")[1].split("\n## ")[0]
+    steps = "\n".join(BASH_BLOCK.findall(section))
+    (namespace,) = NAMESPACE_STEP.findall(steps)
+    created = _created_in(steps)
+    used = _used_secrets_and_claims()
+    assert used["Secret"] and used["PersistentVolumeClaim"]
+    for kind, names in used.items():
+        assert {(namespace, name) for name in names} <= created[kind], kind
 
 
 def test_dashboards_config_map_is_for_grafanas_sidecar():
