@@ -33,6 +33,8 @@ MEGASERVE_METRICS_PORT_NAME = "megaserve"
 PORT_NAME_MAX_CHARS = 15
 PORT_NAME_CHARSET = re.compile(r"[-a-z0-9]+")
 LAST_APPLIED_ANNOTATION_LIMIT_BYTES = 256 * 1024
+# Ray drains a node on SIGTERM for this long at most (ray_constants.py; Ray's default 30 s).
+RAY_DRAIN_TIMEOUT_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 # The documents whose Kubernetes steps a reader follows, each with the heading of those steps.
 KUBERNETES_STEPS = {"README.md": "## Deploy on Kubernetes (KubeRay)",
                     "docs/operations.md": "## Deploy on Kubernetes with KubeRay (GB300)"}
@@ -261,6 +263,22 @@ def test_serve_config_is_deploy_gb300_yaml_and_parses_with_both_schemas():
 
 def test_the_rayservice_sets_no_field_that_kuberay_ignores():
     assert not IGNORED_RAYSERVICE_FIELDS & set(_one("RayService")["spec"])
+
+
+def test_stopping_pods_and_clusters_give_running_generations_the_config_s_graceful_time():
+    _, config = _app_config()
+    # the routers wait as long as the longest of their tiers (deploy/builder.py)
+    graceful = max(tier.graceful_shutdown_seconds for tier in (config.latency, config.throughput)
+                   if tier.enabled)
+    # After an upgrade the old cluster still streams what it had started.
+    assert _one("RayService")["spec"]["rayClusterDeletionDelaySeconds"] >= graceful
+    for group, spec in _pod_specs().items():
+        (ray_container,) = [c for c in spec["containers"] if c["name"].startswith("ray-")]
+        env = {var["name"]: var.get("value") for var in ray_container["env"]}
+        drain = float(env[RAY_DRAIN_TIMEOUT_ENV])
+        # Serve stops a draining node's replicas by the drain's deadline less their graceful time,
+        # and Kubernetes kills the pod once its grace period is over.
+        assert graceful < drain < spec["terminationGracePeriodSeconds"], group
 
 
 def test_ray_token_authentication_stays_on():
