@@ -201,8 +201,12 @@ def _replica_alerts() -> list[dict]:
             "labels": {"severity": "page"},
             "annotations": {
                 "summary": "A node's megaserve metrics endpoint does not answer",
+                # Only a node with an exporter up for good may be a target, or this pages for ever:
+                # on Kubernetes, a worker pod's exporter container, since a pod may host no megaserve
+                # process (k8s/rayservice.yaml).
                 "description": "{{ $labels.instance }} has not been scraped for " + REPLICA_HOLD
-                + ": no megaserve process on that node is alive, or the port is blocked.",
+                + ": nothing on that node serves its megaserve metrics (on Kubernetes, the pod's "
+                "megaserve-exporter container; elsewhere, any megaserve process), or the port is blocked.",
                 },
         },
     ]

@@ -6,14 +6,20 @@ with `PROMETHEUS_MULTIPROC_DIR` pointing at the same node-local folder, and call
 keep retrying in a daemon thread, so that when the holder dies (a replica restarts), another
 takes the port over within `retry_seconds`. The thread that holds the port also retires the gauge
 files of processes that no longer exist, so `livesum` gauges do not count dead replicas.
+
+Where a node may host no megaserve process at all, yet is scraped (a Kubernetes pod, whose target
+exists as long as the pod), `python -m megaserve.monitoring.exporter --host H --port P` serves the
+folder for the node's whole life, the other processes waiting behind it (k8s/rayservice.yaml).
 """
 
 from __future__ import annotations
 
+import argparse
 import errno
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -22,6 +28,8 @@ from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.exposition import MetricsHandler
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+PROG = "python -m megaserve.monitoring.exporter"
+RETRY_SECONDS = 5.0  # how soon a waiting process takes a freed port over
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+?_(\d+)\.db$")
 
 log = logging.getLogger(__name__)
@@ -100,7 +108,7 @@ def _retire_forever(folder: str, period_seconds: float) -> None:
         time.sleep(period_seconds)
 
 
-def start_node_exporter(host: str, port: int, retry_seconds: float = 5.0) -> None:
+def start_node_exporter(host: str, port: int, retry_seconds: float = RETRY_SECONDS) -> None:
     """Serve this node's metrics on host:port from this process, now or once the port frees up.
 
     Idempotent per (host, port) within a process. Returns at once; the work is a daemon thread.
@@ -116,3 +124,24 @@ def start_node_exporter(host: str, port: int, retry_seconds: float = 5.0) -> Non
         target=_serve_forever, args=(host, port, retry_seconds), daemon=True,
         name=f"megaserve-metrics-{port}",
     ).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the node's metrics folder (PROMETHEUS_MULTIPROC_DIR) on host:port in the foreground."""
+    parser = argparse.ArgumentParser(prog=PROG, description=main.__doc__)
+    parser.add_argument("--host", required=True, help="address to bind, e.g. 0.0.0.0 in a pod")
+    parser.add_argument("--port", type=int, required=True, help="the config's metrics.port")
+    args = parser.parse_args(argv)
+    folder = multiprocess_dir()
+    if folder is None:  # it would serve this process' own, empty, registry: a target up for nothing
+        print(f"{PROG}: set {MULTIPROC_ENV} to the node's metrics folder (the config's "
+              "metrics.multiproc_dir)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    os.makedirs(folder, exist_ok=True)
+    _serve_forever(args.host, args.port, RETRY_SECONDS)
+    return 1  # it returns only when the port can never be bound (logged)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,6 +15,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from megaserve.deploy.config import AppConfig
 from megaserve.monitoring import alerts, dashboards
+from megaserve.monitoring.exporter import MULTIPROC_ENV
 from megaserve.monitoring.promql import METRICS_JOB, RAY_JOB
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,9 +124,16 @@ def _worker_group(name: str) -> dict:
     return group
 
 
+def _ray_container(pod_spec: dict) -> dict:
+    return pod_spec["containers"][0]  # KubeRay runs Ray in a pod's first container
+
+
+def _port_names(container: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
 def _gpus(pod_spec: dict) -> int:
-    (container,) = pod_spec["containers"]
-    return int(container.get("resources", {}).get("limits", {}).get(GPU, 0))
+    return sum(int(c.get("resources", {}).get("limits", {}).get(GPU, 0)) for c in pod_spec["containers"])
 
 
 def _containers(node) -> list[dict]:
@@ -273,8 +281,7 @@ def test_stopping_pods_and_clusters_give_running_generations_the_config_s_gracef
     # After an upgrade the old cluster still streams what it had started.
     assert _one("RayService")["spec"]["rayClusterDeletionDelaySeconds"] >= graceful
     for group, spec in _pod_specs().items():
-        (ray_container,) = [c for c in spec["containers"] if c["name"].startswith("ray-")]
-        env = {var["name"]: var.get("value") for var in ray_container["env"]}
+        env = {var["name"]: var.get("value") for var in _ray_container(spec)["env"]}
         drain = float(env[RAY_DRAIN_TIMEOUT_ENV])
         # Serve stops a draining node's replicas by the drain's deadline less their graceful time,
         # and Kubernetes kills the pod once its grace period is over.
@@ -290,7 +297,7 @@ def test_every_pod_gets_the_router_s_api_keys_from_a_secret():
     # API is never served without auth by mistake.
     groups = [_cluster()["headGroupSpec"], *_cluster()["workerGroupSpecs"]]
     for group in groups:
-        (container,) = group["template"]["spec"]["containers"]
+        container = _ray_container(group["template"]["spec"])
         keys = next(var for var in container["env"] if var["name"] == "MEGASERVE_API_KEYS")
         assert keys["valueFrom"] == {"secretKeyRef": {"name": "megaserve-api-keys", "key": "keys"}}
 
@@ -310,7 +317,7 @@ def test_gb300_pods_take_whole_trays(group):
                                     "nvidia.com/gpu.product": "NVIDIA-GB300"}
     tolerated = {(t["key"], t.get("value")) for t in spec["tolerations"]}
     assert {("kubernetes.io/arch", "arm64"), (GPU, None)} <= tolerated
-    (container,) = spec["containers"]
+    container = _ray_container(spec)
     assert container["resources"]["requests"][GPU] == container["resources"]["limits"][GPU]
     assert _gpus(spec) == GPUS_PER_GB300_TRAY
 
@@ -356,20 +363,43 @@ def test_tensor_parallel_groups_over_several_trays_stay_in_one_nvlink_domain():
 
 
 @pytest.mark.parametrize("group", ["head", "latency", "throughput"])
-def test_every_pod_serves_both_metrics_ports_from_an_in_memory_folder(group):
+def test_every_pod_serves_ray_s_metrics_export_port(group):
+    params = _cluster()["headGroupSpec"] if group == "head" else _worker_group(group)
+    ports = _port_names(_ray_container(_pod_specs()[group]))
+    assert ports[RAY_METRICS_PORT_NAME] == int(params["rayStartParams"]["metrics-export-port"])
+
+
+def test_only_pods_that_may_host_megaserve_processes_have_the_megaserve_metrics_port():
+    # A scraped port that nothing serves is a target down for good, and MegaserveMetricsTargetDown
+    # pages for it. The head hosts no router or replica (test_head_has_no_gpus_and_takes_no_replicas).
+    with_port = {group for group, spec in _pod_specs().items()
+                 if any(MEGASERVE_METRICS_PORT_NAME in _port_names(c) for c in spec["containers"])}
+    assert with_port == {"latency", "throughput"}
+
+
+@pytest.mark.parametrize("group", ["latency", "throughput"])
+def test_an_exporter_serves_the_megaserve_metrics_port_for_the_pod_s_whole_life(group):
+    # Not the megaserve processes themselves: a pod may host none (the second tray of a TP8 latency
+    # replica holds only a placement-group bundle), yet it is scraped as long as it exists.
     _, config = _app_config()
     spec = _pod_specs()[group]
-    (container,) = spec["containers"]
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports[MEGASERVE_METRICS_PORT_NAME] == config.metrics.port
-    params = _cluster()["headGroupSpec"] if group == "head" else _worker_group(group)
-    assert ports[RAY_METRICS_PORT_NAME] == int(params["rayStartParams"]["metrics-export-port"])
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    volume = next(v for v in spec["volumes"] if v["name"] == mounts[config.metrics.multiproc_dir])
+    ray_container = _ray_container(spec)
+    (exporter,) = [c for c in spec["containers"] if MEGASERVE_METRICS_PORT_NAME in _port_names(c)]
+    assert exporter is not ray_container and exporter["image"] == ray_container["image"]
+    assert _port_names(exporter)[MEGASERVE_METRICS_PORT_NAME] == config.metrics.port
+    assert exporter["command"] == ["python", "-m", "megaserve.monitoring.exporter",
+                                   "--host", config.metrics.bind_host, "--port", str(config.metrics.port)]
+    assert {"name": MULTIPROC_ENV, "value": config.metrics.multiproc_dir} in exporter["env"]
+    # Both containers see the one in-memory folder every megaserve process of the pod writes, and the
+    # exporter sees their processes, to retire the metrics of those that exited.
+    mounts = [{m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (ray_container, exporter)]
+    (volume_name,) = {m[config.metrics.multiproc_dir] for m in mounts}
+    volume = next(v for v in spec["volumes"] if v["name"] == volume_name)
     assert volume["emptyDir"]["medium"] == "Memory"
+    assert spec["shareProcessNamespace"] is True
 
 
-def test_pod_monitor_scrapes_both_ports_of_every_pod_under_the_expected_jobs():
+def test_pod_monitor_scrapes_the_metrics_ports_under_the_expected_jobs():
     monitor = _one("PodMonitor")["spec"]
     cluster = _cluster()
     templates = [cluster["headGroupSpec"]["template"]] + [
@@ -377,6 +407,7 @@ def test_pod_monitor_scrapes_both_ports_of_every_pod_under_the_expected_jobs():
     for template in templates:
         labels = template["metadata"]["labels"]
         assert monitor["selector"]["matchLabels"].items() <= labels.items()
+    # An endpoint's `port` keeps only the pods with a port of that name: the workers for `megaserve`.
     jobs = {e["port"]: e["relabelings"] for e in monitor["podMetricsEndpoints"]}
     assert jobs[MEGASERVE_METRICS_PORT_NAME] == [{"targetLabel": "job", "replacement": METRICS_JOB}]
     assert jobs[RAY_METRICS_PORT_NAME] == [{"targetLabel": "job", "replacement": RAY_JOB}]

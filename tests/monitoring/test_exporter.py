@@ -109,3 +109,36 @@ def test_a_port_held_by_another_program_is_logged_once_while_it_waits(caplog):
         time.sleep(0.3)  # several retry periods
     waiting = [r for r in caplog.records if "is taken" in r.getMessage()]
     assert len(waiting) == 1 and f"127.0.0.1:{port}" in waiting[0].getMessage()
+
+
+def _exporter(port: int, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megaserve.monitoring.exporter", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_standalone_exporter_serves_the_folder_with_no_megaserve_process_and_after_them(
+        recorders, tmp_path):
+    port, start = recorders
+    exporter = _exporter(port, dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics")))
+    try:
+        # Up before any megaserve process runs on the node (a pod whose tray hosts none stays up).
+        wait_until(lambda: _scrape(port) == {}, 20, "the exporter")
+        recorder = start(3)  # its own exporter thread waits behind the standalone one
+        busy = 'megaserve_busy_replicas{model="m",tier="latency"}'
+        wait_until(lambda: _scrape(port).get(busy) == 1, 20, "the recorder's metrics")
+        recorder.kill()
+        recorder.wait()
+        samples = wait_until(lambda: (s := _scrape(port)).get(busy) is None and s, 20, "the retirement")
+        assert samples['megaserve_generation_tokens_total{model="m",tier="latency"}'] == 3
+        assert exporter.poll() is None
+    finally:
+        exporter.kill()
+        exporter.wait()
+
+
+def test_the_standalone_exporter_refuses_to_run_without_the_metrics_folder():
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    exporter = _exporter(free_port(), env)
+    _, stderr = exporter.communicate(timeout=60)
+    assert exporter.returncode == 2
+    assert "set PROMETHEUS_MULTIPROC_DIR to the node's metrics folder" in stderr
