@@ -28,20 +28,32 @@ def _path(name: str, default: Path) -> Path:
     return path.absolute()  # handed to replicas, which run in other working directories
 
 
+def _api_keys() -> tuple[str, ...]:
+    name = PREFIX + "API_KEYS"
+    value = os.environ.get(name)
+    if value is None:
+        return ()
+    keys = tuple(key.strip() for key in value.split(",") if key.strip())
+    if not keys:  # an empty Secret, say: taken as "no keys", it would open the API to everyone
+        raise ValueError(f"{name} is set but holds no key ({value!r}): set it to comma-separated bearer "
+                         f"keys, or unset it to serve without auth")
+    return keys
+
+
 @dataclass(frozen=True)
 class Environment:
     """Settings that belong to the machine rather than to one app config."""
 
     home: Path  # MEGASERVE_HOME: the demo model and the kernel cache
     kernel_cache: Path  # MEGASERVE_KERNEL_CACHE: compiled cubins by source hash + arch + shape
-    api_keys: tuple[str, ...]  # MEGASERVE_API_KEYS: comma-separated; empty disables auth
+    api_keys: tuple[str, ...]  # MEGASERVE_API_KEYS: comma-separated; unset: () and no auth
 
     @classmethod
     def read(cls) -> "Environment":
         home = _path("HOME", Path.home() / ".cache" / "megaserve")
-        keys = tuple(k.strip() for k in os.environ.get(PREFIX + "API_KEYS", "").split(",") if k.strip())
         return cls(
             home=home,
             kernel_cache=_path("KERNEL_CACHE", home / "kernels"),
-            api_keys=keys,
+            api_keys=_api_keys(),
         )
+

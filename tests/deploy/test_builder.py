@@ -77,6 +77,14 @@ def test_a_bad_label_selector_fails_when_the_app_is_built(tmp_path):
                            "latency": {"label_selector": {"not a key!": "x"}}})
 
 
+def test_an_app_built_with_api_keys_set_to_no_key_fails_naming_the_variable(monkeypatch, tmp_path):
+    # `serve run`, `serve deploy` and KubeRay build the app where the variable is read: Serve shows
+    # this error as the application's DEPLOY_FAILED message, instead of routers open to everyone.
+    monkeypatch.setenv("MEGASERVE_API_KEYS", " , ")
+    with pytest.raises(ValueError, match="MEGASERVE_API_KEYS is set but holds no key"):
+        builder.build_app({"model": {"path": str(tmp_path)}})
+
+
 def test_two_node_replicas_land_on_two_labelled_nodes_of_a_real_cluster():
     """A real multi-node Ray cluster (three 2-GPU nodes, no GPUs needed) running Serve with the
     builder's placement; in a process of its own, so that no other Ray of this test session

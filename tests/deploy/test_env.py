@@ -43,3 +43,13 @@ def test_a_home_of_no_such_user_is_one_line_and_exit_2(monkeypatch, capsys):
         Environment.read()
     assert main(["generate", "hi", "--url", "http://127.0.0.1:1"]) == 2
     assert capsys.readouterr().err.startswith("megaserve: MEGASERVE_HOME='~no-such-user-here/cache'")
+
+
+@pytest.mark.parametrize("value", ["", " ", ",", " , "])
+def test_keys_set_to_no_key_are_refused_by_name_not_taken_as_auth_off(monkeypatch, capsys, value):
+    # An empty Secret value is a mistake, not a wish to serve without auth (that is an unset variable).
+    monkeypatch.setenv("MEGASERVE_API_KEYS", value)
+    with pytest.raises(ValueError, match="MEGASERVE_API_KEYS is set but holds no key"):
+        Environment.read()
+    assert main(["generate", "hi", "--url", "http://127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.startswith("megaserve: MEGASERVE_API_KEYS is set but holds no key")
