@@ -13,7 +13,9 @@ import importlib.util
 import logging
 from typing import Any
 
+import ray
 from ray.serve import Application
+from ray.serve.context import _get_global_client  # Serve has no public getter of its HTTP options
 
 from megaserve.deploy.config import AppConfig, LatencyTier, ThroughputTier, TierCommon
 from megaserve.deploy.env import Environment
@@ -182,9 +184,33 @@ def warn_if_gpus_wait_for_tensor_parallelism(config: AppConfig) -> bool:
     return True
 
 
+def cluster_ports() -> dict[int, str]:
+    """What else listens on the nodes of the Ray cluster this process is in, by port: Serve's HTTP
+    proxies (where Serve runs) and Ray's metrics export port of each node. Every deploy path builds
+    the app inside a running cluster (`serve deploy` and KubeRay in a task of Serve's controller);
+    outside one (a plain call) nothing is known."""
+    if not ray.is_initialized():
+        return {}
+    taken = {node["MetricsExportPort"]: f"Ray's metrics export port on {node['NodeManagerAddress']}"
+             for node in ray.nodes() if node["Alive"]}
+    serve_client = _get_global_client(raise_if_no_controller_running=False)
+    if serve_client is not None:
+        taken[serve_client.http_config.port] = "Serve's HTTP port"
+    return taken
+
+
+def refuse_taken_metrics_port(config: AppConfig, taken: dict[int, str]) -> None:
+    """Refuse a metrics.port that a server on the nodes holds: the node exporter would wait for it
+    for ever (no megaserve metrics), or take it first and keep that server from starting."""
+    if config.metrics.port in taken:
+        raise ValueError(f"metrics.port {config.metrics.port} is {taken[config.metrics.port]} too; "
+                         "give it another")
+
+
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Build the whole app: router ingress bound to one deployment per enabled tier."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    refuse_taken_metrics_port(config, cluster_ports())
     warn_if_sglang_is_missing(config)
     warn_if_gpus_wait_for_tensor_parallelism(config)
     env = Environment.read()

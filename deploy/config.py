@@ -246,7 +246,8 @@ class Routing(_Strict):
 class Metrics(_Strict):
     port: int = Field(
         9400, ge=1, le=65535, description="Per-node metrics endpoint (served by one megaserve "
-        "process per node, summing every process' metrics).",
+        "process per node, summing every process' metrics). Neither Serve's HTTP port nor Ray's "
+        "metrics export port: refused where the app is built in a cluster that uses it.",
     )
     multiproc_dir: AbsolutePath = Field(
         "/tmp/megaserve-metrics", description="Node-local folder where every megaserve process "

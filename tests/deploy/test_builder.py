@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,46 @@ from ray.serve._private.config import ReplicaConfig
 from megaserve.deploy import builder
 from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
+from tests.live import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE_TIMEOUT_SECONDS = 300
-
+# In a running Ray cluster with Serve, where every deploy path builds the app: metrics.port as Serve's
+# HTTP port, deployed as `serve deploy` and `serve run FILE` do (built in a task of Serve's controller),
+# then built here with Ray's metrics export port and with a free port; prints what each came to.
+PORT_PROBE = textwrap.dedent("""
+    import json, os, shutil, sys, tempfile, time
+    os.environ["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ms-ray-")  # no other cluster's address
+    import ray
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+    from megaserve.deploy import builder
+    http_port, free_metrics_port, model_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        args = {"model": {"path": model_dir}, "metrics": {"port": http_port}}
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [
+            {"name": "clash", "import_path": "megaserve.deploy.builder:build_app", "args": args}]}))
+        deadline = time.monotonic() + 240
+        while (app := serve.status().applications["clash"]).status != "DEPLOY_FAILED":
+            assert time.monotonic() < deadline, app
+            time.sleep(0.5)
+        said = {"http": app.message}
+        (node,) = ray.nodes()
+        for name, port in (("ray", node["MetricsExportPort"]), ("free", free_metrics_port)):
+            try:
+                builder.build_app({**args, "metrics": {"port": port}})
+                said[name] = "built"
+            except ValueError as error:
+                said[name] = str(error)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    print(json.dumps(said))
+""")
 
 class Probe:
     """A stand-in replica class for Serve's option checks."""
@@ -83,6 +120,26 @@ def test_an_app_built_with_api_keys_set_to_no_key_fails_naming_the_variable(monk
     monkeypatch.setenv("MEGASERVE_API_KEYS", " , ")
     with pytest.raises(ValueError, match="MEGASERVE_API_KEYS is set but holds no key"):
         builder.build_app({"model": {"path": str(tmp_path)}})
+
+
+def test_a_metrics_port_that_the_cluster_s_servers_hold_is_refused_by_the_builder(monkeypatch, tmp_path):
+    app = {"model": {"path": str(tmp_path)}, "metrics": {"port": 8000}}
+    monkeypatch.setattr(builder, "cluster_ports", lambda: {8000: "Serve's HTTP port"})
+    with pytest.raises(ValueError, match="metrics.port 8000 is Serve's HTTP port too; give it another"):
+        builder.build_app(app)
+    builder.build_app({**app, "metrics": {"port": 9400}})
+
+
+def test_the_builder_knows_the_http_and_ray_metrics_ports_of_a_real_cluster(tmp_path):
+    """`serve deploy`, `serve run FILE` and KubeRay build the app where Serve already runs, so that
+    a config that `megaserve up` would refuse is refused there too; in a process of its own."""
+    result = subprocess.run([sys.executable, "-c", PORT_PROBE, str(free_port()), str(free_port()), str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=PROBE_TIMEOUT_SECONDS, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    said = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "is Serve's HTTP port too; give it another" in said["http"], said
+    assert "is Ray's metrics export port on" in said["ray"], said
+    assert said["free"] == "built"
 
 
 def test_two_node_replicas_land_on_two_labelled_nodes_of_a_real_cluster():
