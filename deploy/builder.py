@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 from typing import Any
 
 import ray
@@ -153,6 +154,7 @@ def router_settings(config: AppConfig, env: Environment, model_dir: str) -> Rout
         latency_wait_seconds=config.routing.latency_wait_seconds,
         spillover=config.routing.spillover,
         retry_after_seconds=config.routing.retry_after_seconds,
+        created=int(time.time()),  # /v1/models' `created` (Unix seconds): when this app was built
     )
 
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,13 @@ def test_router_settings_hold_the_tiers_whole_capacities(tmp_path):
     assert settings.throughput_capacity == 20
     assert (settings.latency_replicas, settings.throughput_replicas) == (3, 2)  # what the capacities count
     assert settings.max_context == 2048
+
+
+def test_the_served_model_was_created_when_the_app_was_built(tmp_path):
+    before = int(time.time())
+    router = builder.build_app({"model": {"path": str(tmp_path)}})._bound_deployment
+    settings = router.init_args[0]
+    assert before <= settings.created <= time.time()  # Unix seconds, as OpenAI's and vLLM's `created`
 
 
 def test_disabled_tier_has_no_capacity(tmp_path):
