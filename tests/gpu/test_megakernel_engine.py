@@ -4,6 +4,7 @@ decode step, stop tokens, seeded sampling, the yield rule, cancellation and vali
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 
 import pytest
@@ -85,14 +86,22 @@ def test_stop_token_ends_with_stop(engine):
     assert outputs[-1].finish_reason == FinishReason.STOP
 
 
+SEEDED_RUNS = 5  # a majority of them must agree (see below)
+
+
 def test_seeded_sampling_repeats_and_differs_from_greedy(engine):
+    """A seeded request repeats, except that the kernel's run-to-run rounding (README) can now and
+    then flip a draw at a near tie: one run in 24 on one test shape, at token 38 of 40 (docs/perf.md
+    run 68). So most of SEEDED_RUNS runs must be the same tokens (a seed ignored would make every run
+    differ), which a rare flipped run leaves true."""
     sampled = dict(temperature=1.5, top_p=0.95, seed=1234)
-    first = [t for o in asyncio.run(collect(engine, greedy_request(**sampled))) for t in o.token_ids]
-    second = [t for o in asyncio.run(collect(engine, greedy_request(**sampled))) for t in o.token_ids]
-    greedy = [t for o in asyncio.run(collect(engine, greedy_request())) for t in o.token_ids]
-    assert first == second and len(first) == MAX_TOKENS
-    assert first != greedy
-    assert all(0 <= t < engine.vocab_size for t in first)
+    runs = [tuple(t for o in asyncio.run(collect(engine, greedy_request(**sampled))) for t in o.token_ids)
+            for _ in range(SEEDED_RUNS)]
+    repeated, count = collections.Counter(runs).most_common(1)[0]
+    greedy = tuple(t for o in asyncio.run(collect(engine, greedy_request())) for t in o.token_ids)
+    assert count > SEEDED_RUNS // 2 and len(repeated) == MAX_TOKENS
+    assert repeated != greedy
+    assert all(0 <= t < engine.vocab_size for t in repeated)
 
 
 def test_cancel_stops_generation_and_frees_the_engine(engine):
