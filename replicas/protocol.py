@@ -44,6 +44,12 @@ class EngineError(Exception):
     """A request that an engine refuses (bad ids, too long, ...); the message is for the client."""
 
 
+# The files of a Hugging Face model folder that both the router and the replicas read.
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
 # A seed is a signed 64-bit integer, as in vLLM's OpenAI server and SGLang's sampling_seed.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 

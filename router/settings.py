@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
+from megaserve.replicas.protocol import CONFIG_FILE, GENERATION_CONFIG_FILE
+
 # OpenAI's sampling defaults (top_k is an extension: 0 keeps every token), and the range a model's
 # generation_config.json value must be in to replace one.
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
@@ -77,7 +77,7 @@ def capped_by_model(settings: RouterSettings) -> RouterSettings:
     config.json where the router reads the tokenizer (the replicas cap their context by it too;
     the app may be built on a node without the model); unchanged when the file says nothing."""
     try:
-        config = json.loads((Path(settings.model_dir) / MODEL_CONFIG_FILE).read_text())
+        config = json.loads((Path(settings.model_dir) / CONFIG_FILE).read_text())
         limit = int(config["max_position_embeddings"])
     except (OSError, KeyError, TypeError, ValueError):
         return settings

@@ -1,8 +1,8 @@
 """Text <-> token ids for the router, from a Hugging Face model folder, without transformers or torch.
 
 - `Tokenizer.from_dir(path)`: the `tokenizers` library on tokenizer.json, special tokens and the
-  chat template from tokenizer_config.json (or chat_template.jinja), end-of-sequence ids from
-  generation_config.json, config.json and the tokenizer's eos_token.
+  chat template from tokenizer_config.json (or chat_template.jinja). End-of-sequence ids are the
+  engines' (replicas/models/config.py: the router never stops a generation on a token itself).
 - `apply_chat_template` renders the model's Jinja template the way transformers does: a sandboxed
   environment with trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
   a `tojson` that keeps non-ASCII text, and bos_token/eos_token/... as variables.
@@ -23,8 +23,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+from megaserve.replicas.protocol import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Special tokens that transformers hands to chat templates as variables.
 TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")

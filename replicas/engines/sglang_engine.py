@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol import (
+    CONFIG_FILE,
     CoalescePolicy,
     Engine,
     EngineError,
@@ -273,7 +274,7 @@ class SGLangEngine(Engine):
         fields. `launch` starts SGLang from the launch arguments: `sglang.Engine` unless given
         (tests pass a stand-in)."""
         launch = launch or _sglang_engine_class()
-        hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        hf_config = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
         self.vocab_size, self.max_context = model_limits(hf_config, max_seq)
         self.eos_ids = hf_eos_token_ids(model_dir)
         self.model_name = model_name or Path(model_dir).name

@@ -20,10 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-TOKENIZER_FILE = "tokenizer.json"
+from ..protocol import CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 # Hugging Face architecture name -> our family name.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
