@@ -16,12 +16,12 @@ leaves cancels our pump and `runtime.tokenizer_manager.abort_request(rid=...)` d
 from SGLang's batch at its next step.
 
 Stops are TorchEngine's (and vLLM's): a stop id ends a request with FinishReason.STOP, the stop id
-streamed last, and `ignore_eos` drops only EOS. EOS is every id `hf_eos_token_ids` finds, sent as stop
-ids: SGLang itself stops only on config.json's and generation_config.json's, and with
-`skip_tokenizer_init` never on the tokenizer's `eos_token` (a fine-tune's chat end, often). SGLang's own check skips the stop ids too under
-`ignore_eos` (`Req._check_token_based_finish` returns early), so then they are not sent to SGLang:
-`OutputReader` ends the stream at the first one itself and the pump aborts the request in SGLang,
-as for a client that leaves.
+streamed last, and `ignore_eos` drops only EOS. EOS is every id `hf_eos_token_ids` finds, sent as
+stop ids: SGLang itself stops only on config.json's and generation_config.json's, and with
+`skip_tokenizer_init` never on the tokenizer's `eos_token` (a fine-tune's chat end, often).
+SGLang's own check skips the stop ids too under `ignore_eos` (`Req._check_token_based_finish`
+returns early), so then they are not sent to SGLang: `OutputReader` ends the stream at the first
+one itself and the pump aborts the request in SGLang, as for a client that leaves.
 
 Launch settings the engine owns (OWNED_ARGS; `engine_args` may not set them): the model path,
 `tp_size`, `context_length` (the tier's max_seq_len, capped by the model, plus CONTEXT_MARGIN), `dtype`,
@@ -36,11 +36,14 @@ maps to SGLang's `sampling_seed`, which SGLang honours when started with
 `enable_deterministic_inference`; a sampled request without one gets a random one, since SGLang
 would give every unseeded request the same seed, 42, there.
 
-Context: SGLang serves requests of context_length - 1 tokens (its max_req_len), generates at most
-max_req_len - prompt - 1 tokens and refuses a prompt of max_req_len - 5 tokens or more. So the
-engine asks SGLang for CONTEXT_MARGIN more than `max_context`, so that prompt + max_tokens <=
-max_context runs to max_tokens as on the other tiers, and refuses at the call a prompt that leaves
-fewer than PROMPT_ROOM tokens of `max_context`, which SGLang would abort.
+Context: the tier serves what the other tiers and the router do, the tier's max_seq_len capped by
+the model's positions. SGLang serves requests of context_length - 1 tokens (its max_req_len),
+refuses a prompt of max_req_len - 5 tokens or more and generates at most max_req_len - prompt - 1
+tokens, so the engine asks SGLang for CONTEXT_MARGIN (6) more than `max_context`: then every
+request that `Engine.validate` accepts (prompt < max_context, prompt + max_tokens <= max_context)
+runs to max_tokens. Where that passes the model's positions, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN
+lets SGLang start with it (set in this process, which SGLang's processes inherit); no request reaches
+a position past the model's.
 
 Timing: SGLang does not stream per-step durations. Each chunk's tokens get the time since the
 previous chunk, split evenly; these are the values recorded as the prefill and decode step
@@ -66,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import time
 import uuid
@@ -100,8 +104,9 @@ OWNED_ARGS = (
 INCREMENTAL_ARG = "incremental_streaming_output"
 TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k"
 FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-CONTEXT_MARGIN = 2  # SGLang's context_length beyond the engine's max_context (see the module's doc)
-PROMPT_ROOM = 5  # context tokens a prompt must leave (SGLang's max_req_len - 5 rule)
+CONTEXT_MARGIN = 6  # SGLang's context_length beyond the engine's max_context (see the module's doc)
+# SGLang's switch for a context_length past the model's positions
+LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 SEED_BITS = 63  # an unseeded sampled request's random sampling_seed: a non-negative int64
 
 # The health probe: SGLang's own prefix (it drops late outputs of such rids quietly), one greedy
@@ -174,16 +179,12 @@ def engine_launch_args(
 
 def model_limits(hf_config: Mapping[str, Any], max_seq: int | None) -> tuple[int, int]:
     """(vocab_size, context served) of a model from its Hugging Face config.json contents: the
-    tier's `max_seq`, capped so that SGLang's context_length, CONTEXT_MARGIN more, stays within the
-    model's positions (SGLang refuses a longer one)."""
+    tier's `max_seq`, capped by the model's positions, as on every tier."""
     for key in ("vocab_size", "max_position_embeddings"):
         if key not in hf_config:
             raise ValueError(f"config.json lacks {key!r}")
     positions = int(hf_config["max_position_embeddings"])
-    served = min(context_limit(max_seq, positions), positions - CONTEXT_MARGIN)
-    if served <= PROMPT_ROOM:
-        raise ValueError(f"max_position_embeddings {positions} leaves SGLang no room for a prompt")
-    return int(hf_config["vocab_size"]), served
+    return int(hf_config["vocab_size"]), context_limit(max_seq, positions)
 
 
 @dataclass
@@ -277,6 +278,8 @@ class SGLangEngine(Engine):
         hf_config = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
         self.vocab_size, self.max_context = model_limits(hf_config, max_seq)
         self.eos_ids = hf_eos_token_ids(model_dir)
+        if self.max_context + CONTEXT_MARGIN > int(hf_config["max_position_embeddings"]):
+            os.environ[LONGER_CONTEXT_ENV] = "1"  # only SGLang's reserve passes the positions (module doc)
         self.model_name = model_name or Path(model_dir).name
         self.coalesce = coalesce
         self.health_timeout_seconds = health_timeout_seconds
@@ -298,13 +301,6 @@ class SGLangEngine(Engine):
             raise EngineError("the engine is shut down")
         self.validate(request)
         return self._generate(request)
-
-    def validate(self, request: GenerateRequest) -> None:
-        super().validate(request)
-        longest = self.max_context - PROMPT_ROOM
-        if len(request.prompt_token_ids) > longest:
-            raise EngineError(f"the prompt has {len(request.prompt_token_ids)} tokens but this tier takes at most "
-                              f"{longest} (SGLang keeps {PROMPT_ROOM} of the context of {self.max_context})")
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         # SGLang refuses a rid it already has; a retried request id must not collide.

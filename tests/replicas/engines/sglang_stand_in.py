@@ -10,10 +10,12 @@ aborts ends as SGLang's `_handle_abort_req` ends one: with every id so far, or w
 streaming the last one again (test_sglang_api.py checks that against the source). With
 `enable_metrics` its meta_info carries SGLang's wall-clock "forward_entry_time" and
 "prefill_finished_time" once they have happened; `queue_seconds` is a wait in its queue before the
-first forward. It applies SGLang's length limits to the launch's context_length (`max_req_len`: at
-most max_req_len - prompt - 1 new tokens, prompts of max_req_len - 5 tokens or more aborted), and
-keeps each request's entry in the tokenizer manager's `rid_to_state` until it ends, except a health
-probe's that it aborts (SGLang's `_handle_abort_req` returns early for those). Its "model"
+first forward. It refuses a context_length past the model's positions unless SGLang's
+SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set, applies SGLang's length limits to the launch's
+context_length (`max_req_len`: at most max_req_len - prompt - 1 new tokens, prompts of max_req_len -
+5 tokens or more aborted), and keeps each request's entry in the tokenizer manager's
+`rid_to_state` until it ends, except a health probe's that it aborts (SGLang's `_handle_abort_req`
+returns early for those). Its "model"
 continues a prompt ending in t with t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's
 rule (`stops_on`).
 """
@@ -21,9 +23,14 @@ rule (`stops_on`).
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+
+from megaserve.replicas.engines.sglang_engine import LONGER_CONTEXT_ENV  # SGLang's name (test_sglang_api.py)
 
 STEP_SECONDS = 0.001
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's (test_sglang_api.py checks the engine's)
@@ -49,6 +56,10 @@ class StandInSGLang:
     """`StandInSGLang(**launch_args)` in place of `sglang.Engine(**launch_args)`."""
 
     def __init__(self, **launch_args: Any) -> None:
+        positions = json.loads((Path(launch_args["model_path"]) / "config.json").read_text())["max_position_embeddings"]
+        if launch_args["context_length"] > positions and os.environ.get(LONGER_CONTEXT_ENV) != "1":
+            raise ValueError(f"context_length ({launch_args['context_length']}) is greater than the derived "
+                             f"context_length ({positions}); set {LONGER_CONTEXT_ENV}=1")  # as SGLang's ModelConfig
         self.launch_args = launch_args
         self.tokenizer_manager = StandInTokenizerManager()
         self.requests: list[dict[str, Any]] = []  # the keyword arguments of every async_generate

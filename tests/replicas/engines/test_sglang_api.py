@@ -24,7 +24,7 @@ from megaserve.replicas.engines.sglang_engine import (
     HEALTH_RID_PREFIX,
     HEALTH_SAMPLING,
     INCREMENTAL_ARG,
-    PROMPT_ROOM,
+    LONGER_CONTEXT_ENV,
     TOP_K_DISABLED,
     engine_launch_args,
     generate_kwargs,
@@ -214,17 +214,25 @@ def test_sglang_metrics_are_written_to_the_node_s_metrics_folder(sglang, tmp_pat
 
 
 def test_sglang_s_length_limits_are_those_the_engine_leaves_room_for(sglang):
-    """CONTEXT_MARGIN and PROMPT_ROOM: SGLang's max_req_len is context_length - 1, a request gets at
-    most max_req_len - prompt - 1 new tokens, and a prompt of max_req_len - 5 tokens or more is refused."""
+    """CONTEXT_MARGIN: SGLang's max_req_len is context_length - 1, a prompt of max_req_len - 5 tokens
+    or more is refused and a request gets at most max_req_len - prompt - 1 new tokens, so with
+    context_length = max_context + 6 every prompt < max_context fits, and prompt + max_tokens <=
+    max_context runs to max_tokens; a context_length past the positions needs LONGER_CONTEXT_ENV."""
     worker = ast.unparse(sglang.method(sglang.cls("sglang.srt.managers.tp_worker", "TpModelWorker"),
                                        "get_worker_info"))
     assert "max_req_len = min(self.model_config.context_len - 1, kv_capacity - 1)" in worker
-    assert f"max_req_input_len = max_req_len - {PROMPT_ROOM}" in worker
+    assert "max_req_input_len = max_req_len - 5" in worker
     scheduler = sglang.cls("sglang.srt.managers.scheduler", "Scheduler")
     assert "self.max_req_len - input_len - 1" in ast.unparse(sglang.method(scheduler, "init_req_max_new_tokens"))
     check = ast.unparse(sglang.function("sglang.srt.managers.utils", "validate_input_length"))
     assert "if len(req.origin_input_ids) >= max_req_input_len:" in check
-    assert CONTEXT_MARGIN == 2  # context_length - 1 - prompt - 1 new tokens = max_context - prompt
+    max_context = 1000
+    max_req_len = max_context + CONTEXT_MARGIN - 1
+    assert max_context - 1 < max_req_len - 5  # the longest prompt the engine takes is not refused
+    assert max_req_len - 1 >= max_context  # max_req_len - prompt - 1 new tokens >= max_context - prompt
+    model = sglang.cls("sglang.srt.configs.model_config", "ModelConfig")
+    derive = ast.unparse(sglang.method(model, "_derive_context_length"))
+    assert f"envs.{LONGER_CONTEXT_ENV}.get()" in derive and "self.context_len = context_length" in derive
 
 
 def test_an_aborted_health_probe_keeps_its_state_and_sglang_s_own_probe_drops_it(sglang):

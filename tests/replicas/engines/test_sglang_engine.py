@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
+import os
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from prometheus_client import REGISTRY
 from megaserve.replicas.engines import create_engine
 from megaserve.replicas.engines.sglang_engine import (
     CONTEXT_MARGIN,
-    PROMPT_ROOM,
+    LONGER_CONTEXT_ENV,
     OutputReader,
     SGLangEngine,
     engine_launch_args,
@@ -117,16 +118,12 @@ def test_generate_kwargs_stream_one_request_by_token_ids():
 
 
 def test_model_limits_cap_the_tier_s_sequence_length_by_the_model():
-    """SGLang gets a context_length CONTEXT_MARGIN longer than the tier serves: within the positions."""
     config = {"vocab_size": 1000, "max_position_embeddings": 4096}
-    assert model_limits(config, None) == (1000, 4096 - CONTEXT_MARGIN)
+    assert model_limits(config, None) == (1000, 4096)
     assert model_limits(config, 2048) == (1000, 2048)
-    assert model_limits(config, 4095) == (1000, 4096 - CONTEXT_MARGIN)
-    assert model_limits(config, 10**6) == (1000, 4096 - CONTEXT_MARGIN)
+    assert model_limits(config, 10**6) == (1000, 4096)
     with pytest.raises(ValueError, match="vocab_size"):
         model_limits({"max_position_embeddings": 8}, None)
-    with pytest.raises(ValueError, match="no room for a prompt"):
-        model_limits({"vocab_size": 10, "max_position_embeddings": PROMPT_ROOM + CONTEXT_MARGIN}, None)
 
 
 def test_cumulative_outputs_become_new_tokens_with_split_step_times():
@@ -253,22 +250,24 @@ async def test_the_engine_starts_sglang_with_the_tier_s_settings(make_sglang, ti
     assert (engine.vocab_size, engine.max_context, engine.eos_ids) == (512, 256, (508, 511))
 
 
-async def test_a_request_that_fills_the_context_runs_to_max_tokens_and_a_long_prompt_is_refused(make_sglang):
-    """SGLang's own limits (max_req_len = context_length - 1, at most max_req_len - prompt - 1 new
-    tokens, prompts under max_req_len - 5; pinned in test_sglang_api.py) applied to the launch's
-    context_length: every request the engine accepts fits them."""
-    engine, sglang = make_sglang(max_seq=64)
-    max_req_len = sglang.launch_args["context_length"] - 1
-    prompt = (5,) * 40
-    items = [item async for item in engine.generate(_request(prompt, max_tokens=64 - 40))]
-    assert sum(len(item.token_ids) for item in items) == 64 - 40 <= max_req_len - len(prompt) - 1
-    assert items[-1].finish_reason == FinishReason.LENGTH
-    longest = (5,) * (64 - PROMPT_ROOM)
-    assert len(longest) < max_req_len - 5
-    items = [item async for item in engine.generate(_request(longest, max_tokens=1))]
-    assert items[-1].finish_reason == FinishReason.LENGTH and items[-1].token_ids
-    with pytest.raises(EngineError, match="at most 59"):
-        engine.generate(_request(longest + (5,), max_tokens=1))
+@pytest.mark.parametrize("max_seq", [64, None])  # None: all 512 of the tiny model's positions
+async def test_every_request_the_engine_accepts_runs_to_max_tokens_within_sglang_s_limits(make_sglang, monkeypatch,
+                                                                                         max_seq):
+    """SGLang's own limits (max_req_len = context_length - 1, prompts under max_req_len - 5, at most
+    max_req_len - prompt - 1 new tokens; pinned in test_sglang_api.py) on the launch's context_length:
+    the engine serves the tier's whole context, as the router and the other tiers do, where SGLang's
+    reserve passes the model's positions too (the stand-in refuses that unless SGLang's switch is on)."""
+    monkeypatch.delenv(LONGER_CONTEXT_ENV, raising=False)
+    engine, sglang = make_sglang(max_seq=max_seq)
+    context = max_seq or 512
+    assert engine.max_context == context and sglang.launch_args["context_length"] == context + CONTEXT_MARGIN
+    assert (os.environ.get(LONGER_CONTEXT_ENV) == "1") == (max_seq is None)
+    for prompt_len, max_tokens in ((context - 1, 1), (context // 2, context - context // 2)):
+        items = [item async for item in engine.generate(_request((5,) * prompt_len, max_tokens=max_tokens))]
+        assert items[-1].finish_reason == FinishReason.LENGTH and items[-1].error is None
+        assert sum(len(item.token_ids) for item in items) == max_tokens
+    with pytest.raises(EngineError, match="context"):
+        engine.generate(_request((5,) * context, max_tokens=1))
 
 
 @pytest.mark.parametrize("incremental", [False, True])
