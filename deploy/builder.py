@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -186,27 +187,49 @@ def warn_if_gpus_wait_for_tensor_parallelism(config: AppConfig) -> bool:
     return True
 
 
-def cluster_ports() -> dict[int, str]:
-    """What else listens on the nodes of the Ray cluster this process is in, by port: Serve's HTTP
-    proxies (where Serve runs) and Ray's metrics export port of each node. Every deploy path builds
-    the app inside a running cluster (`serve deploy` and KubeRay in a task of Serve's controller);
-    outside one (a plain call) nothing is known."""
+@dataclass(frozen=True)
+class ClusterPorts:
+    """Ports that servers hold on the nodes of the Ray cluster this process is in: `everywhere`, on
+    every node, so on any node megaserve runs on; `somewhere`, on some nodes only (which may host no
+    megaserve process: a KubeRay head with no CPUs for it, say). Port -> what holds it."""
+
+    everywhere: dict[int, str] = field(default_factory=dict)
+    somewhere: dict[int, str] = field(default_factory=dict)
+
+
+def cluster_ports() -> ClusterPorts:
+    """Serve's HTTP port (refused anywhere: Serve's proxies run on every node unless told otherwise)
+    and each node's Ray metrics export port. Every deploy path builds the app inside a running
+    cluster (`serve deploy` and KubeRay in a task of Serve's controller); outside one (a plain call)
+    nothing is known."""
     if not ray.is_initialized():
-        return {}
-    taken = {node["MetricsExportPort"]: f"Ray's metrics export port on {node['NodeManagerAddress']}"
-             for node in ray.nodes() if node["Alive"]}
+        return ClusterPorts()
+    alive = [node for node in ray.nodes() if node["Alive"]]
+    addresses: dict[int, list[str]] = {}
+    for node in alive:
+        addresses.setdefault(node["MetricsExportPort"], []).append(node["NodeManagerAddress"])
+    ports = ClusterPorts()
+    for port, where in addresses.items():
+        if len(where) == len(alive):
+            ports.everywhere[port] = "Ray's metrics export port on every node"
+        else:
+            ports.somewhere[port] = f"Ray's metrics export port on {', '.join(sorted(where))}"
     serve_client = _get_global_client(raise_if_no_controller_running=False)
     if serve_client is not None:
-        taken[serve_client.http_config.port] = "Serve's HTTP port"
-    return taken
+        ports.everywhere[serve_client.http_config.port] = "Serve's HTTP port"
+    return ports
 
 
-def refuse_taken_metrics_port(config: AppConfig, taken: dict[int, str]) -> None:
-    """Refuse a metrics.port that a server on the nodes holds: the node exporter would wait for it
-    for ever (no megaserve metrics), or take it first and keep that server from starting."""
-    if config.metrics.port in taken:
-        raise ValueError(f"metrics.port {config.metrics.port} is {taken[config.metrics.port]} too; "
-                         "give it another")
+def refuse_taken_metrics_port(config: AppConfig, ports: ClusterPorts) -> None:
+    """Refuse a metrics.port that a server holds on every node: the node exporter would wait for it
+    for ever (no megaserve metrics), or take it first and keep that server from starting. One held
+    on some nodes only is a warning: it matters only if megaserve runs there."""
+    port = config.metrics.port
+    if port in ports.everywhere:
+        raise ValueError(f"metrics.port {port} is {ports.everywhere[port]} too; give it another")
+    if port in ports.somewhere:
+        log.warning("metrics.port %d is %s too: megaserve's metrics are not served on those nodes if it runs "
+                    "there", port, ports.somewhere[port])
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
