@@ -9,7 +9,10 @@ files of processes that no longer exist, so `livesum` gauges do not count dead r
 
 Where a node may host no megaserve process at all, yet is scraped (a Kubernetes pod, whose target
 exists as long as the pod), `python -m megaserve.monitoring.exporter --host H --port P` serves the
-folder for the node's whole life, the other processes waiting behind it (k8s/rayservice.yaml).
+folder for the node's whole life, the other processes waiting behind it (k8s/rayservice.yaml). In a
+pod, SIGTERM comes to every container at once, while the Ray container drains its replicas for
+minutes: with `--outlive-processes-in /proc` (the pod's shared PID namespace), the exporter answers
+SIGTERM or SIGINT by serving on until no other process of the pod is left, then exits 0.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import errno
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -30,6 +34,9 @@ from prometheus_client.exposition import MetricsHandler
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PROG = "python -m megaserve.monitoring.exporter"
 RETRY_SECONDS = 5.0  # how soon a waiting process takes a freed port over
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the pod's processes are gone
+PAUSE_PID = 1  # a pod's pause process, which outlives every container of the pod
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+?_(\d+)\.db$")
 
 log = logging.getLogger(__name__)
@@ -126,11 +133,50 @@ def start_node_exporter(host: str, port: int, retry_seconds: float = RETRY_SECON
     ).start()
 
 
+def other_processes(proc_root: str, own_pid: int) -> list[int]:
+    """The pids of the live processes that the proc filesystem at proc_root shows, but own_pid's
+    and the pause process'."""
+    pids = []
+    for name in os.listdir(proc_root):
+        if not name.isdigit() or int(name) in (own_pid, PAUSE_PID):
+            continue
+        try:
+            with open(os.path.join(proc_root, name, "stat")) as stat:
+                # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+                state = stat.read().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError):  # it exited, and was reaped, since the listing
+            continue
+        if state != "Z":  # a zombie has exited already, its parent not having reaped it yet
+            pids.append(int(name))
+    return sorted(pids)
+
+
+def _serve_until_stopped_and_alone(host: str, port: int, proc_root: str) -> int:
+    stop_requested = threading.Event()
+    for signum in STOP_SIGNALS:  # before serving: a stop that comes once the port answers is not lost
+        signal.signal(signum, lambda *_: stop_requested.set())
+    serving = threading.Thread(target=_serve_forever, args=(host, port, RETRY_SECONDS), daemon=True)
+    serving.start()
+    while not stop_requested.wait(OUTLIVE_CHECK_SECONDS):
+        if not serving.is_alive():
+            return 1  # the port can never be bound (logged)
+    log.info("stopping once no other process is left in %s", proc_root)
+    # The Ray container drains its replicas for minutes, and they record metrics until they exit.
+    while other_processes(proc_root, os.getpid()):
+        time.sleep(OUTLIVE_CHECK_SECONDS)
+    log.info("no other process is left in %s; stopping", proc_root)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve the node's metrics folder (PROMETHEUS_MULTIPROC_DIR) on host:port in the foreground."""
     parser = argparse.ArgumentParser(prog=PROG, description=main.__doc__)
     parser.add_argument("--host", required=True, help="address to bind, e.g. 0.0.0.0 in a pod")
     parser.add_argument("--port", type=int, required=True, help="the config's metrics.port")
+    parser.add_argument("--outlive-processes-in", metavar="PROC_ROOT",
+                        help="on SIGTERM or SIGINT, serve on until the proc filesystem at PROC_ROOT shows no "
+                             "process but this one and PID 1 (/proc in a pod with shareProcessNamespace); "
+                             "without it, they stop the exporter at once")
     args = parser.parse_args(argv)
     folder = multiprocess_dir()
     if folder is None:  # it would serve this process' own, empty, registry: a target up for nothing
@@ -139,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     os.makedirs(folder, exist_ok=True)
+    if args.outlive_processes_in is not None:
+        return _serve_until_stopped_and_alone(args.host, args.port, args.outlive_processes_in)
     _serve_forever(args.host, args.port, RETRY_SECONDS)
     return 1  # it returns only when the port can never be bound (logged)
 

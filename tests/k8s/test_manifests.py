@@ -388,7 +388,8 @@ def test_an_exporter_serves_the_megaserve_metrics_port_for_the_pod_s_whole_life(
     assert exporter is not ray_container and exporter["image"] == ray_container["image"]
     assert _port_names(exporter)[MEGASERVE_METRICS_PORT_NAME] == config.metrics.port
     assert exporter["command"] == ["python", "-m", "megaserve.monitoring.exporter",
-                                   "--host", config.metrics.bind_host, "--port", str(config.metrics.port)]
+                                   "--host", config.metrics.bind_host, "--port", str(config.metrics.port),
+                                   "--outlive-processes-in", "/proc"]
     assert {"name": MULTIPROC_ENV, "value": config.metrics.multiproc_dir} in exporter["env"]
     # Both containers see the one in-memory folder every megaserve process of the pod writes, and the
     # exporter sees their processes, to retire the metrics of those that exited.
@@ -396,6 +397,19 @@ def test_an_exporter_serves_the_megaserve_metrics_port_for_the_pod_s_whole_life(
     (volume_name,) = {m[config.metrics.multiproc_dir] for m in mounts}
     volume = next(v for v in spec["volumes"] if v["name"] == volume_name)
     assert volume["emptyDir"]["medium"] == "Memory"
+    assert spec["shareProcessNamespace"] is True
+
+
+@pytest.mark.parametrize("group", ["latency", "throughput"])
+def test_a_stopping_pod_s_exporter_serves_until_its_ray_processes_exit(group):
+    # Every container gets SIGTERM at once; Ray drains the pod's replicas for minutes, while Prometheus
+    # still scrapes the terminating pod: an exporter gone at once pages (MegaserveMetricsTargetDown)
+    # and loses the draining replicas' metrics. It sees Ray's processes in the pod's shared /proc,
+    # where the pause process is PID 1 (without sharing, the exporter itself is, and stops at once).
+    spec = _pod_specs()[group]
+    (exporter,) = [c for c in spec["containers"] if MEGASERVE_METRICS_PORT_NAME in _port_names(c)]
+    command = exporter["command"]
+    assert command[command.index("--outlive-processes-in") + 1] == "/proc"
     assert spec["shareProcessNamespace"] is True
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from megaserve.monitoring.exporter import start_node_exporter
+from megaserve.monitoring.exporter import other_processes, start_node_exporter
 from tests.live import free_port, wait_until
 
 UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
@@ -21,7 +23,7 @@ UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this 
 RECORDER = textwrap.dedent("""
     import sys, time
     from megaserve.monitoring import metrics
-    from megaserve.monitoring.exporter import start_node_exporter
+    from megaserve.monitoring.exporter import other_processes, start_node_exporter
     port, tokens = int(sys.argv[1]), int(sys.argv[2])
     metrics.GENERATION_TOKENS.labels(tier="latency", model="m").inc(tokens)
     metrics.BUSY_REPLICAS.labels(tier="latency", model="m").set(1)
@@ -111,9 +113,15 @@ def test_a_port_held_by_another_program_is_logged_once_while_it_waits(caplog):
     assert len(waiting) == 1 and f"127.0.0.1:{port}" in waiting[0].getMessage()
 
 
-def _exporter(port: int, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "megaserve.monitoring.exporter", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+def _exporter(port: int, env: dict[str, str], *args: str, host: str = "127.0.0.1") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megaserve.monitoring.exporter", "--host", host,
+                             "--port", str(port), *args], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def _fake_process(proc_root, pid: int, comm: str, state: str = "S") -> None:
+    """An entry of a proc filesystem, as Linux writes /proc/<pid>/stat (fields past the ppid cut)."""
+    (proc_root / str(pid)).mkdir(parents=True)
+    (proc_root / str(pid) / "stat").write_text(f"{pid} ({comm}) {state} 1 {pid} {pid} 0 -1\n")
 
 
 def test_the_standalone_exporter_serves_the_folder_with_no_megaserve_process_and_after_them(
@@ -142,3 +150,79 @@ def test_the_standalone_exporter_refuses_to_run_without_the_metrics_folder():
     _, stderr = exporter.communicate(timeout=60)
     assert exporter.returncode == 2
     assert "set PROMETHEUS_MULTIPROC_DIR to the node's metrics folder" in stderr
+
+
+def test_the_other_processes_are_the_live_ones_but_its_own_and_the_pause_process(tmp_path):
+    proc = tmp_path / "proc"
+    _fake_process(proc, 1, "pause")
+    _fake_process(proc, 7, "python")  # the exporter itself
+    _fake_process(proc, 20, "raylet")
+    _fake_process(proc, 21, "ray::Replica) Z (x")  # a comm may hold ") Z (": the state follows the last ")"
+    _fake_process(proc, 22, "ray::IDLE", state="Z")  # exited, not yet reaped
+    (proc / "23").mkdir()  # listed, then gone (its stat with it) before it is read
+    (proc / "self").mkdir()
+    (proc / "sys").mkdir()
+    (proc / "uptime").write_text("1.0 1.0\n")
+    assert other_processes(str(proc), own_pid=7) == [20, 21]
+
+
+def test_the_other_processes_of_the_real_proc_filesystem_leave_out_exited_ones():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert child.pid in other_processes("/proc", os.getpid())
+        child.kill()
+        wait_until(lambda: child.pid not in other_processes("/proc", os.getpid()), 10, "the zombie left out")
+        assert child.poll() is not None  # it was a zombie until now
+        assert child.pid not in other_processes("/proc", os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stopped_standalone_exporter_serves_until_the_pod_s_other_processes_exit_then_exits_0(
+        tmp_path, stop):
+    # A pod with shareProcessNamespace: the pause process, the exporter, and the Ray container's
+    # process, which drains its replicas for minutes after the SIGTERM that all containers get.
+    proc, port = tmp_path / "proc", free_port()
+    _fake_process(proc, 1, "pause")
+    exporter = _exporter(port, dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics")),
+                         "--outlive-processes-in", str(proc))
+    try:
+        _fake_process(proc, exporter.pid, "python")
+        _fake_process(proc, 4242, "raylet")
+        wait_until(lambda: _scrape(port) == {}, 20, "the exporter")
+        exporter.send_signal(stop)
+        deadline = time.monotonic() + 3  # several checks of the pod's processes
+        while time.monotonic() < deadline:
+            assert _scrape(port) == {}
+            time.sleep(0.2)
+        assert exporter.poll() is None
+        shutil.rmtree(proc / "4242")
+        _, stderr = exporter.communicate(timeout=10)
+        assert exporter.returncode == 0, stderr
+    finally:
+        exporter.kill()
+        exporter.wait()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_without_outliving_a_stop_signal_stops_the_standalone_exporter_at_once(tmp_path, stop):
+    # A run on a node (or a terminal) that shares its PID namespace with every other process.
+    port = free_port()
+    exporter = _exporter(port, dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics")))
+    try:
+        wait_until(lambda: _scrape(port) == {}, 20, "the exporter")
+        exporter.send_signal(stop)
+        exporter.communicate(timeout=10)
+    finally:
+        exporter.kill()
+        exporter.wait()
+
+
+def test_an_outliving_exporter_that_cannot_bind_its_host_exits_1(tmp_path):
+    exporter = _exporter(free_port(), dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics")),
+                         "--outlive-processes-in", str(tmp_path), host=UNASSIGNED_ADDRESS)
+    _, stderr = exporter.communicate(timeout=60)
+    assert exporter.returncode == 1
+    assert f"cannot serve node metrics on {UNASSIGNED_ADDRESS}" in stderr
