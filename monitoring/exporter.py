@@ -152,14 +152,17 @@ def other_processes(proc_root: str, own_pid: int) -> list[int]:
 
 
 def _serve_until_stopped_and_alone(host: str, port: int, proc_root: str) -> int:
-    stop_requested = threading.Event()
+    # A plain flag, polled: a handler that set a threading.Event could deadlock on the Event's lock,
+    # which the main thread holds inside Event.wait when the signal lands.
+    stop_requested: list[int] = []
     for signum in STOP_SIGNALS:  # before serving: a stop that comes once the port answers is not lost
-        signal.signal(signum, lambda *_: stop_requested.set())
+        signal.signal(signum, lambda received, _frame: stop_requested.append(received))
     serving = threading.Thread(target=_serve_forever, args=(host, port, RETRY_SECONDS), daemon=True)
     serving.start()
-    while not stop_requested.wait(OUTLIVE_CHECK_SECONDS):
+    while not stop_requested:
         if not serving.is_alive():
             return 1  # the port can never be bound (logged)
+        time.sleep(OUTLIVE_CHECK_SECONDS)
     log.info("stopping once no other process is left in %s", proc_root)
     # The Ray container drains its replicas for minutes, and they record metrics until they exit.
     while other_processes(proc_root, os.getpid()):
