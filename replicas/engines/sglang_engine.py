@@ -41,9 +41,11 @@ the model's positions. SGLang serves requests of context_length - 1 tokens (its 
 refuses a prompt of max_req_len - 5 tokens or more and generates at most max_req_len - prompt - 1
 tokens, so the engine asks SGLang for CONTEXT_MARGIN (6) more than `max_context`: then every
 request that `Engine.validate` accepts (prompt < max_context, prompt + max_tokens <= max_context)
-runs to max_tokens. Where that passes the model's positions, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN
-lets SGLang start with it (set in this process, which SGLang's processes inherit); no request reaches
-a position past the model's.
+runs to max_tokens. SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set in this process (SGLang's
+processes inherit it), so that SGLang starts with that context_length: it would refuse one past its
+own reading of the model's length (`get_context_length`: other config keys first, rope factors),
+where that reserve, or the tier's context itself, passes it. The context is the engine's, as on
+every tier, and no request reaches a position past max_position_embeddings.
 
 Timing: SGLang does not stream per-step durations. Each chunk's tokens get the time since the
 previous chunk, split evenly; these are the values recorded as the prefill and decode step
@@ -105,7 +107,7 @@ INCREMENTAL_ARG = "incremental_streaming_output"
 TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k"
 FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 CONTEXT_MARGIN = 6  # SGLang's context_length beyond the engine's max_context (see the module's doc)
-# SGLang's switch for a context_length past the model's positions
+# SGLang's switch for a context_length past its reading of the model's length
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 SEED_BITS = 63  # an unseeded sampled request's random sampling_seed: a non-negative int64
 
@@ -278,8 +280,7 @@ class SGLangEngine(Engine):
         hf_config = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
         self.vocab_size, self.max_context = model_limits(hf_config, max_seq)
         self.eos_ids = hf_eos_token_ids(model_dir)
-        if self.max_context + CONTEXT_MARGIN > int(hf_config["max_position_embeddings"]):
-            os.environ[LONGER_CONTEXT_ENV] = "1"  # only SGLang's reserve passes the positions (module doc)
+        os.environ[LONGER_CONTEXT_ENV] = "1"  # the context is the engine's (module doc)
         self.model_name = model_name or Path(model_dir).name
         self.coalesce = coalesce
         self.health_timeout_seconds = health_timeout_seconds

@@ -215,9 +215,11 @@ def test_without_sglang_the_engine_says_how_to_install_it(tiny_model_dir):
 
 
 @pytest.fixture
-async def make_sglang(tiny_model_dir):
+async def make_sglang(tiny_model_dir, monkeypatch):
     """make_sglang(**settings) -> (SGLangEngine on the stand-in, the stand-in); each engine has a
-    model name of its own (so its metrics are its own) and is shut down after the test."""
+    model name of its own (so its metrics are its own) and is shut down after the test. SGLang's
+    context switch, which the engine sets in os.environ, is off before each test and gone after it."""
+    monkeypatch.setenv(LONGER_CONTEXT_ENV, "0")
     engines: list[SGLangEngine] = []
 
     def make(**settings) -> tuple[SGLangEngine, StandInSGLang]:
@@ -251,17 +253,16 @@ async def test_the_engine_starts_sglang_with_the_tier_s_settings(make_sglang, ti
 
 
 @pytest.mark.parametrize("max_seq", [64, None])  # None: all 512 of the tiny model's positions
-async def test_every_request_the_engine_accepts_runs_to_max_tokens_within_sglang_s_limits(make_sglang, monkeypatch,
-                                                                                         max_seq):
+async def test_every_request_the_engine_accepts_runs_to_max_tokens_within_sglang_s_limits(make_sglang, max_seq):
     """SGLang's own limits (max_req_len = context_length - 1, prompts under max_req_len - 5, at most
     max_req_len - prompt - 1 new tokens; pinned in test_sglang_api.py) on the launch's context_length:
-    the engine serves the tier's whole context, as the router and the other tiers do, where SGLang's
-    reserve passes the model's positions too (the stand-in refuses that unless SGLang's switch is on)."""
-    monkeypatch.delenv(LONGER_CONTEXT_ENV, raising=False)
+    the engine serves the tier's whole context, as the router and the other tiers do, also where
+    SGLang's reserve passes the model's positions (the stand-in refuses that unless SGLang's switch is
+    on, as SGLang does past its reading of the model's length)."""
     engine, sglang = make_sglang(max_seq=max_seq)
     context = max_seq or 512
     assert engine.max_context == context and sglang.launch_args["context_length"] == context + CONTEXT_MARGIN
-    assert (os.environ.get(LONGER_CONTEXT_ENV) == "1") == (max_seq is None)
+    assert os.environ[LONGER_CONTEXT_ENV] == "1"
     for prompt_len, max_tokens in ((context - 1, 1), (context // 2, context - context // 2)):
         items = [item async for item in engine.generate(_request((5,) * prompt_len, max_tokens=max_tokens))]
         assert items[-1].finish_reason == FinishReason.LENGTH and items[-1].error is None
