@@ -45,7 +45,9 @@ runs to max_tokens. SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set in this pro
 processes inherit it), so that SGLang starts with that context_length: it would refuse one past its
 own reading of the model's length (`get_context_length`: other config keys first, rope factors),
 where that reserve, or the tier's context itself, passes it. The context is the engine's, as on
-every tier, and no request reaches a position past max_position_embeddings.
+every tier, and no request reaches a position past max_position_embeddings. A KV pool smaller than
+that context lowers SGLang's limit, which the engine reads once SGLang has started and keeps to
+(`max_context`), so that such a request is refused at the call, not cut short.
 
 Timing: SGLang does not stream per-step durations. Each chunk's tokens get the time since the
 previous chunk, split evenly; these are the values recorded as the prefill and decode step
@@ -292,6 +294,9 @@ class SGLangEngine(Engine):
         )
         self._incremental = bool(self.launch_args.get(INCREMENTAL_ARG, False))
         self._runtime = launch(**self.launch_args)
+        # SGLang's own limit once started: its KV pool may hold less than the context (it warns).
+        # Prompts under max_req_input_len run to max_tokens within it (the module doc's arithmetic).
+        self.max_context = min(self.max_context, self._runtime.tokenizer_manager.max_req_input_len)
         self._active: dict[str, tuple[TokenStream, asyncio.Task]] = {}  # rid -> its stream and pump
         self._probes: set[asyncio.Event] = set()  # set by every SGLang output: liveness for health
         self._closed = False

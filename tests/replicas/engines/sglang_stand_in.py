@@ -44,7 +44,8 @@ def stops_on(params: dict[str, Any], token: int) -> bool:
 
 
 class StandInTokenizerManager:
-    def __init__(self) -> None:
+    def __init__(self, max_req_input_len: int) -> None:
+        self.max_req_input_len = max_req_input_len  # set by SGLang's Engine from its scheduler's info
         self.aborted: list[str] = []
         self.rid_to_state: dict[str, dict[str, Any]] = {}
 
@@ -55,13 +56,16 @@ class StandInTokenizerManager:
 class StandInSGLang:
     """`StandInSGLang(**launch_args)` in place of `sglang.Engine(**launch_args)`."""
 
+    kv_tokens = 1 << 20  # its KV pool: tokens of every request at once (SGLang sizes it from memory)
+
     def __init__(self, **launch_args: Any) -> None:
         positions = json.loads((Path(launch_args["model_path"]) / "config.json").read_text())["max_position_embeddings"]
         if launch_args["context_length"] > positions and os.environ.get(LONGER_CONTEXT_ENV) != "1":
             raise ValueError(f"context_length ({launch_args['context_length']}) is greater than the derived "
                              f"context_length ({positions}); set {LONGER_CONTEXT_ENV}=1")  # as SGLang's ModelConfig
         self.launch_args = launch_args
-        self.tokenizer_manager = StandInTokenizerManager()
+        self.max_req_len = min(launch_args["context_length"], self.kv_tokens) - 1  # SGLang's TpModelWorker
+        self.tokenizer_manager = StandInTokenizerManager(self.max_req_len - 5)
         self.requests: list[dict[str, Any]] = []  # the keyword arguments of every async_generate
         self.stalled = False  # new requests get no output at all (a hung scheduler)
         self.failure: Exception | None = None  # new requests fail with this
@@ -96,7 +100,7 @@ class StandInSGLang:
         if stalled:
             await asyncio.Event().wait()
         incremental = self.launch_args.get("incremental_streaming_output", False)
-        max_req_len = self.launch_args["context_length"] - 1
+        max_req_len = self.max_req_len
         if len(prompt) >= max_req_len - 5:
             message = f"Input length ({len(prompt)} tokens) exceeds the maximum allowed length ({max_req_len - 5})"
             yield {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": message},

@@ -230,6 +230,8 @@ def test_sglang_s_length_limits_are_those_the_engine_leaves_room_for(sglang):
     max_req_len = max_context + CONTEXT_MARGIN - 1
     assert max_context - 1 < max_req_len - 5  # the longest prompt the engine takes is not refused
     assert max_req_len - 1 >= max_context  # max_req_len - prompt - 1 new tokens >= max_context - prompt
+    engine = sglang.text("sglang/srt/entrypoints/engine.py")  # what the engine reads back once started
+    assert 'tokenizer_manager.max_req_input_len = scheduler_info["max_req_input_len"]' in engine
     model = sglang.cls("sglang.srt.configs.model_config", "ModelConfig")
     derive = ast.unparse(sglang.method(model, "_derive_context_length"))
     assert f"envs.{LONGER_CONTEXT_ENV}.get()" in derive and "self.context_len = context_length" in derive

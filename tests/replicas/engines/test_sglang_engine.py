@@ -271,6 +271,19 @@ async def test_every_request_the_engine_accepts_runs_to_max_tokens_within_sglang
         engine.generate(_request((5,) * context, max_tokens=1))
 
 
+async def test_a_kv_pool_smaller_than_the_context_lowers_the_engine_s_context(make_sglang, monkeypatch):
+    """SGLang caps max_req_len by its KV pool once started: the engine keeps to that, refusing at
+    the call what SGLang would abort or cut short."""
+    monkeypatch.setattr(StandInSGLang, "kv_tokens", 40)
+    engine, sglang = make_sglang(max_seq=64)
+    assert engine.max_context == 40 - 1 - 5 == sglang.tokenizer_manager.max_req_input_len
+    items = [item async for item in engine.generate(_request((5,) * 20, max_tokens=engine.max_context - 20))]
+    assert items[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(item.token_ids) for item in items) == engine.max_context - 20
+    with pytest.raises(EngineError, match="context"):
+        engine.generate(_request((5,) * 20, max_tokens=engine.max_context - 19))
+
+
 @pytest.mark.parametrize("incremental", [False, True])
 async def test_sglang_s_stream_becomes_steps_that_follow_the_yield_rule(make_sglang, incremental):
     engine, sglang = make_sglang(coalesce=CoalescePolicy(seconds=1.0, tokens=2),
