@@ -189,47 +189,42 @@ def warn_if_gpus_wait_for_tensor_parallelism(config: AppConfig) -> bool:
 
 @dataclass(frozen=True)
 class ClusterPorts:
-    """Ports that servers hold on the nodes of the Ray cluster this process is in: `everywhere`, on
-    every node, so on any node megaserve runs on; `somewhere`, on some nodes only (which may host no
-    megaserve process: a KubeRay head with no CPUs for it, say). Port -> what holds it."""
+    """Ports that servers hold in the Ray cluster this process is in, port -> what holds it:
+    `refused` for metrics.port (Serve's HTTP port: Serve runs a proxy on every node unless told
+    otherwise), `warned` (Ray's metrics export port of some nodes: which nodes megaserve will run on
+    is not known when the app is built, and KubeRay builds it once only the head is up)."""
 
-    everywhere: dict[int, str] = field(default_factory=dict)
-    somewhere: dict[int, str] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+    warned: dict[int, str] = field(default_factory=dict)
 
 
 def cluster_ports() -> ClusterPorts:
-    """Serve's HTTP port (refused anywhere: Serve's proxies run on every node unless told otherwise)
-    and each node's Ray metrics export port. Every deploy path builds the app inside a running
-    cluster (`serve deploy` and KubeRay in a task of Serve's controller); outside one (a plain call)
-    nothing is known."""
+    """Every deploy path builds the app inside a running cluster (`serve deploy` and KubeRay in a
+    task of Serve's controller); outside one (a plain call) nothing is known."""
     if not ray.is_initialized():
         return ClusterPorts()
-    alive = [node for node in ray.nodes() if node["Alive"]]
     addresses: dict[int, list[str]] = {}
-    for node in alive:
-        addresses.setdefault(node["MetricsExportPort"], []).append(node["NodeManagerAddress"])
-    ports = ClusterPorts()
-    for port, where in addresses.items():
-        if len(where) == len(alive):
-            ports.everywhere[port] = "Ray's metrics export port on every node"
-        else:
-            ports.somewhere[port] = f"Ray's metrics export port on {', '.join(sorted(where))}"
+    for node in ray.nodes():
+        if node["Alive"]:
+            addresses.setdefault(node["MetricsExportPort"], []).append(node["NodeManagerAddress"])
+    ports = ClusterPorts(warned={port: f"Ray's metrics export port on {', '.join(sorted(where))}"
+                                 for port, where in addresses.items()})
     serve_client = _get_global_client(raise_if_no_controller_running=False)
     if serve_client is not None:
-        ports.everywhere[serve_client.http_config.port] = "Serve's HTTP port"
+        ports.refused[serve_client.http_config.port] = "Serve's HTTP port"
     return ports
 
 
 def refuse_taken_metrics_port(config: AppConfig, ports: ClusterPorts) -> None:
-    """Refuse a metrics.port that a server holds on every node: the node exporter would wait for it
-    for ever (no megaserve metrics), or take it first and keep that server from starting. One held
-    on some nodes only is a warning: it matters only if megaserve runs there."""
+    """Refuse a metrics.port that Serve's proxies hold: the node exporter would wait for it for ever
+    (no megaserve metrics), or take it first and keep the proxy from starting. One that Ray exports
+    its metrics on somewhere is a warning: it matters only if megaserve runs there."""
     port = config.metrics.port
-    if port in ports.everywhere:
-        raise ValueError(f"metrics.port {port} is {ports.everywhere[port]} too; give it another")
-    if port in ports.somewhere:
+    if port in ports.refused:
+        raise ValueError(f"metrics.port {port} is {ports.refused[port]} too; give it another")
+    if port in ports.warned:
         log.warning("metrics.port %d is %s too: megaserve's metrics are not served on those nodes if it runs "
-                    "there", port, ports.somewhere[port])
+                    "there", port, ports.warned[port])
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:

@@ -246,8 +246,9 @@ class Routing(_Strict):
 class Metrics(_Strict):
     port: int = Field(
         9400, ge=1, le=65535, description="Per-node metrics endpoint (served by one megaserve "
-        "process per node, summing every process' metrics). Neither Serve's HTTP port nor Ray's "
-        "metrics export port: refused where the app is built in a cluster that uses it.",
+        "process per node, summing every process' metrics). Neither Serve's HTTP port (refused "
+        "where the app is built) nor Ray's metrics export port on a node megaserve runs on (a "
+        "warning where the app is built, which cannot know those nodes).",
     )
     multiproc_dir: AbsolutePath = Field(
         "/tmp/megaserve-metrics", description="Node-local folder where every megaserve process "
