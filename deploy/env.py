@@ -56,4 +56,3 @@ class Environment:
             kernel_cache=_path("KERNEL_CACHE", home / "kernels"),
             api_keys=_api_keys(),
         )
-

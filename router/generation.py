@@ -4,7 +4,8 @@ Each of the request's `n` choices is one `GenerateRequest` to the tier's backend
 are detokenized incrementally; stop strings are matched on the text (the output ends before the
 stop string, finish_reason "stop") and the replica stream is then closed, so the replica stops
 decoding. A stop token id that ends a choice counts as a completion token but adds no text, as in
-vLLM and SGLang by default. Leaving `events()` early (client gone, error) closes every replica stream at once.
+vLLM and SGLang by default. Leaving `events()` early (client gone, error) closes every replica
+stream at once.
 
 Metrics: time to first token (arrival to the first token of any choice), inter-token latency
 (per token after a choice's first, the wall time since the choice's previous output, spread over

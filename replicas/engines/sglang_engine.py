@@ -63,9 +63,10 @@ process, so an SGLangEngine needs a process of its own (a Serve replica is one).
 Health: a one-token generation, as SGLang's own /health_generate does. Under load the probe may
 wait in SGLang's queue; output reaching any other request in the meantime proves SGLang alive too.
 
-`sglang_sampling_params`, `own_stop_ids`, `engine_launch_args`, `generate_kwargs`, `model_limits`
-and `OutputReader` are pure and tested without SGLang; the engine itself is tested against an
-in-process stand-in for `sglang.Engine`, and against the real one in tests/gpu/.
+`sglang_sampling_params` (but for an unseeded request's random seed), `own_stop_ids`,
+`engine_launch_args`, `generate_kwargs`, `model_limits` and `OutputReader` are pure and tested
+without SGLang; the engine itself is tested against an in-process stand-in for `sglang.Engine`, and
+against the real one in tests/gpu/.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..models.config import hf_eos_token_ids
 from ..protocol import (
     CONFIG_FILE,
     CoalescePolicy,
@@ -95,7 +97,6 @@ from ..protocol import (
     Tier,
     context_limit,
 )
-from ..models.config import hf_eos_token_ids
 from .engine_metrics import EngineMetrics
 from .stream import Chunk, TokenStream
 

@@ -263,6 +263,7 @@ def test_the_demo_model_stops_on_the_ids_transformers_stops_on(tmp_path):
 
     demo = ensure_demo_model(tmp_path)
     listed = GenerationConfig.from_pretrained(demo).eos_token_id
-    expected = set(listed if isinstance(listed, list) else [listed]) | {AutoTokenizer.from_pretrained(demo).eos_token_id}
+    tokenizer_eos = AutoTokenizer.from_pretrained(demo).eos_token_id
+    expected = set(listed if isinstance(listed, list) else [listed]) | {tokenizer_eos}
     assert len(expected) == 2  # <|end_of_text|> and <|eot_id|>: both sources count
     assert set(ModelConfig.from_hf_dir(demo).eos_token_ids) == expected
