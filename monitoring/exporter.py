@@ -12,7 +12,10 @@ exists as long as the pod), `python -m megaserve.monitoring.exporter --host H --
 folder for the node's whole life, the other processes waiting behind it (k8s/rayservice.yaml). In a
 pod, SIGTERM comes to every container at once, while the Ray container drains its replicas for
 minutes: with `--outlive-processes-in /proc` (the pod's shared PID namespace), the exporter answers
-SIGTERM or SIGINT by serving on until no other process of the pod is left, then exits 0.
+SIGTERM or SIGINT by serving on until every process that recorded into the folder has exited, then
+for `--linger-seconds` more (a scrape interval, so that their last values are scraped), and exits 0.
+Other processes of the pod (a service mesh's sidecars, which Kubernetes may stop last) do not hold
+it up.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PROG = "python -m megaserve.monitoring.exporter"
 RETRY_SECONDS = 5.0  # how soon a waiting process takes a freed port over
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the pod's processes are gone
-PAUSE_PID = 1  # a pod's pause process, which outlives every container of the pod
+OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the recording processes are gone
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+?_(\d+)\.db$")
+_RECORDER_FILE = re.compile(r"^\w+?_(\d+)\.db$")  # prometheus_client's "<kind>_<pid>.db", one per process
 
 log = logging.getLogger(__name__)
 _started: set[tuple[str, int]] = set()
@@ -133,25 +136,28 @@ def start_node_exporter(host: str, port: int, retry_seconds: float = RETRY_SECON
     ).start()
 
 
-def other_processes(proc_root: str, own_pid: int) -> list[int]:
-    """The pids of the live processes that the proc filesystem at proc_root shows, but own_pid's
-    and the pause process'."""
-    pids = []
-    for name in os.listdir(proc_root):
-        if not name.isdigit() or int(name) in (own_pid, PAUSE_PID):
-            continue
-        try:
-            with open(os.path.join(proc_root, name, "stat")) as stat:
-                # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
-                state = stat.read().rpartition(")")[2].split()[0]
-        except (FileNotFoundError, ProcessLookupError):  # it exited, and was reaped, since the listing
-            continue
-        if state != "Z":  # a zombie has exited already, its parent not having reaped it yet
-            pids.append(int(name))
-    return sorted(pids)
+def _running_in(proc_root: str, pid: int) -> bool:
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat")) as stat:
+            # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):  # it exited, and was reaped (or never ran here)
+        return False
+    return state != "Z"  # a zombie has exited already, its parent not having reaped it yet
 
 
-def _serve_until_stopped_and_alone(host: str, port: int, proc_root: str) -> int:
+def recording_processes(folder: str, proc_root: str, own_pid: int) -> list[int]:
+    """The pids of the processes that have recorded into the metrics folder and still run, as the
+    proc filesystem at proc_root shows them, but own_pid."""
+    pids = set()
+    for name in os.listdir(folder):
+        match = _RECORDER_FILE.match(name)
+        if match and int(match.group(1)) != own_pid:
+            pids.add(int(match.group(1)))
+    return sorted(pid for pid in pids if _running_in(proc_root, pid))
+
+
+def _serve_until_stopped_and_alone(host: str, port: int, proc_root: str, linger_seconds: float) -> int:
     # A plain flag, polled: a handler that set a threading.Event could deadlock on the Event's lock,
     # which the main thread holds inside Event.wait when the signal lands.
     stop_requested: list[int] = []
@@ -163,11 +169,13 @@ def _serve_until_stopped_and_alone(host: str, port: int, proc_root: str) -> int:
         if not serving.is_alive():
             return 1  # the port can never be bound (logged)
         time.sleep(OUTLIVE_CHECK_SECONDS)
-    log.info("stopping once no other process is left in %s", proc_root)
+    folder = multiprocess_dir()
+    log.info("stopping once the processes recording into %s have exited (as %s shows them)", folder, proc_root)
     # The Ray container drains its replicas for minutes, and they record metrics until they exit.
-    while other_processes(proc_root, os.getpid()):
+    while recording_processes(folder, proc_root, os.getpid()):
         time.sleep(OUTLIVE_CHECK_SECONDS)
-    log.info("no other process is left in %s; stopping", proc_root)
+    log.info("no process recording into %s is left; stopping in %g s", folder, linger_seconds)
+    time.sleep(linger_seconds)
     return 0
 
 
@@ -177,10 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", required=True, help="address to bind, e.g. 0.0.0.0 in a pod")
     parser.add_argument("--port", type=int, required=True, help="the config's metrics.port")
     parser.add_argument("--outlive-processes-in", metavar="PROC_ROOT",
-                        help="on SIGTERM or SIGINT, serve on until the proc filesystem at PROC_ROOT shows no "
-                             "process but this one and PID 1 (/proc in a pod with shareProcessNamespace); "
-                             "without it, they stop the exporter at once")
+                        help="on SIGTERM or SIGINT, serve on until the proc filesystem at PROC_ROOT shows none "
+                             "of the processes that recorded into the folder running (/proc in a pod with "
+                             "shareProcessNamespace); without it, they stop the exporter at once")
+    parser.add_argument("--linger-seconds", type=float, default=0.0,
+                        help="with --outlive-processes-in: serve this much longer once those processes have "
+                             "exited, so that a scrape reads their last values (at least the scrape interval)")
     args = parser.parse_args(argv)
+    if args.linger_seconds < 0:
+        parser.error(f"--linger-seconds must be 0 or more, not {args.linger_seconds:g}")
+    if args.linger_seconds and args.outlive_processes_in is None:
+        parser.error("--linger-seconds needs --outlive-processes-in: without it a stop signal stops at once")
     folder = multiprocess_dir()
     if folder is None:  # it would serve this process' own, empty, registry: a target up for nothing
         print(f"{PROG}: set {MULTIPROC_ENV} to the node's metrics folder (the config's "
@@ -189,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     os.makedirs(folder, exist_ok=True)
     if args.outlive_processes_in is not None:
-        return _serve_until_stopped_and_alone(args.host, args.port, args.outlive_processes_in)
+        return _serve_until_stopped_and_alone(args.host, args.port, args.outlive_processes_in,
+                                              args.linger_seconds)
     _serve_forever(args.host, args.port, RETRY_SECONDS)
     return 1  # it returns only when the port can never be bound (logged)
 

@@ -389,7 +389,7 @@ def test_an_exporter_serves_the_megaserve_metrics_port_for_the_pod_s_whole_life(
     assert _port_names(exporter)[MEGASERVE_METRICS_PORT_NAME] == config.metrics.port
     assert exporter["command"] == ["python", "-m", "megaserve.monitoring.exporter",
                                    "--host", config.metrics.bind_host, "--port", str(config.metrics.port),
-                                   "--outlive-processes-in", "/proc"]
+                                   "--outlive-processes-in", "/proc", "--linger-seconds", "20"]
     assert {"name": MULTIPROC_ENV, "value": config.metrics.multiproc_dir} in exporter["env"]
     # Both containers see the one in-memory folder every megaserve process of the pod writes, and the
     # exporter sees their processes, to retire the metrics of those that exited.
@@ -401,16 +401,30 @@ def test_an_exporter_serves_the_megaserve_metrics_port_for_the_pod_s_whole_life(
 
 
 @pytest.mark.parametrize("group", ["latency", "throughput"])
-def test_a_stopping_pod_s_exporter_serves_until_its_ray_processes_exit(group):
+def test_a_stopping_pod_s_exporter_serves_until_its_megaserve_processes_exit_and_one_scrape_more(group):
     # Every container gets SIGTERM at once; Ray drains the pod's replicas for minutes, while Prometheus
     # still scrapes the terminating pod: an exporter gone at once pages (MegaserveMetricsTargetDown)
-    # and loses the draining replicas' metrics. It sees Ray's processes in the pod's shared /proc,
-    # where the pause process is PID 1 (without sharing, the exporter itself is, and stops at once).
+    # and loses the draining replicas' metrics. It sees their processes in the pod's shared /proc
+    # (without sharing, it would see none and stop at once), and lingers a scrape interval after them.
     spec = _pod_specs()[group]
     (exporter,) = [c for c in spec["containers"] if MEGASERVE_METRICS_PORT_NAME in _port_names(c)]
     command = exporter["command"]
     assert command[command.index("--outlive-processes-in") + 1] == "/proc"
     assert spec["shareProcessNamespace"] is True
+    linger = float(command[command.index("--linger-seconds") + 1])
+    (endpoint,) = [e for e in _one("PodMonitor")["spec"]["podMetricsEndpoints"]
+                   if e["port"] == MEGASERVE_METRICS_PORT_NAME]
+    assert linger > _seconds(endpoint["interval"])
+    # The replicas are gone by the drain's deadline at the latest; the linger must end before the kill.
+    env = {var["name"]: var.get("value") for var in _ray_container(spec)["env"]}
+    assert float(env[RAY_DRAIN_TIMEOUT_ENV]) + linger < spec["terminationGracePeriodSeconds"]
+
+
+def _seconds(duration: str) -> float:
+    """A Prometheus Operator duration of one unit ("15s", "1m") in seconds."""
+    match = re.fullmatch(r"(\d+)(s|m)", duration)
+    assert match, duration
+    return int(match.group(1)) * {"s": 1, "m": 60}[match.group(2)]
 
 
 def test_pod_monitor_scrapes_the_metrics_ports_under_the_expected_jobs():

@@ -14,8 +14,9 @@ import time
 import urllib.request
 
 import pytest
+from prometheus_client.mmap_dict import MmapedDict
 
-from megaserve.monitoring.exporter import other_processes, start_node_exporter
+from megaserve.monitoring.exporter import recording_processes, start_node_exporter
 from tests.live import free_port, wait_until
 
 UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
@@ -23,7 +24,7 @@ UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this 
 RECORDER = textwrap.dedent("""
     import sys, time
     from megaserve.monitoring import metrics
-    from megaserve.monitoring.exporter import other_processes, start_node_exporter
+    from megaserve.monitoring.exporter import start_node_exporter
     port, tokens = int(sys.argv[1]), int(sys.argv[2])
     metrics.GENERATION_TOKENS.labels(tier="latency", model="m").inc(tokens)
     metrics.BUSY_REPLICAS.labels(tier="latency", model="m").set(1)
@@ -152,58 +153,84 @@ def test_the_standalone_exporter_refuses_to_run_without_the_metrics_folder():
     assert "set PROMETHEUS_MULTIPROC_DIR to the node's metrics folder" in stderr
 
 
-def test_the_other_processes_are_the_live_ones_but_its_own_and_the_pause_process(tmp_path):
-    proc = tmp_path / "proc"
+def _recorded(folder, *names: str) -> None:
+    """Empty metric files, as prometheus_client's multiprocess mode makes and names them: "<kind>_<pid>.db"."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        MmapedDict(str(folder / name)).close()
+
+
+def test_the_recording_processes_are_the_running_writers_of_the_folder_but_itself(tmp_path):
+    proc, folder = tmp_path / "proc", tmp_path / "metrics"
     _fake_process(proc, 1, "pause")
     _fake_process(proc, 7, "python")  # the exporter itself
-    _fake_process(proc, 20, "raylet")
-    _fake_process(proc, 21, "ray::Replica) Z (x")  # a comm may hold ") Z (": the state follows the last ")"
+    _fake_process(proc, 20, "ray::Replica")
+    _fake_process(proc, 21, "ray::Router) Z (x")  # a comm may hold ") Z (": the state follows the last ")"
     _fake_process(proc, 22, "ray::IDLE", state="Z")  # exited, not yet reaped
-    (proc / "23").mkdir()  # listed, then gone (its stat with it) before it is read
+    _fake_process(proc, 30, "envoy")  # a mesh sidecar: it never records, so it holds nothing up
     (proc / "self").mkdir()
-    (proc / "sys").mkdir()
-    (proc / "uptime").write_text("1.0 1.0\n")
-    assert other_processes(str(proc), own_pid=7) == [20, 21]
+    _recorded(folder, "counter_7.db", "counter_20.db", "histogram_20.db", "gauge_livesum_21.db",
+              "histogram_22.db", "counter_23.db",  # 23 exited and was reaped
+              "gauge_all_24.db.tmp", "notes.txt")
+    assert recording_processes(str(folder), str(proc), own_pid=7) == [20, 21]
 
 
-def test_the_other_processes_of_the_real_proc_filesystem_leave_out_exited_ones():
+def test_the_recording_processes_of_the_real_proc_filesystem_leave_out_exited_ones(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        assert child.pid in other_processes("/proc", os.getpid())
+        _recorded(tmp_path, f"counter_{child.pid}.db")
+        assert recording_processes(str(tmp_path), "/proc", os.getpid()) == [child.pid]
         child.kill()
-        wait_until(lambda: child.pid not in other_processes("/proc", os.getpid()), 10, "the zombie left out")
+        wait_until(lambda: not recording_processes(str(tmp_path), "/proc", os.getpid()), 10, "the zombie left out")
         assert child.poll() is not None  # it was a zombie until now
-        assert child.pid not in other_processes("/proc", os.getpid())
+        assert recording_processes(str(tmp_path), "/proc", os.getpid()) == []
     finally:
         child.kill()
         child.wait()
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_a_stopped_standalone_exporter_serves_until_the_pod_s_other_processes_exit_then_exits_0(
-        tmp_path, stop):
-    # A pod with shareProcessNamespace: the pause process, the exporter, and the Ray container's
-    # process, which drains its replicas for minutes after the SIGTERM that all containers get.
-    proc, port = tmp_path / "proc", free_port()
+def test_a_stopped_standalone_exporter_serves_until_the_recording_processes_exit_and_lingers(tmp_path, stop):
+    # A pod with shareProcessNamespace: the pause process, the exporter, a replica of the Ray
+    # container, which drains for minutes after the SIGTERM that all containers get, and a mesh's
+    # native sidecar, which Kubernetes stops only after every regular container has exited.
+    proc, folder, port, linger = tmp_path / "proc", tmp_path / "metrics", free_port(), 2.0
     _fake_process(proc, 1, "pause")
-    exporter = _exporter(port, dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "metrics")),
-                         "--outlive-processes-in", str(proc))
+    exporter = _exporter(port, dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder)),
+                         "--outlive-processes-in", str(proc), "--linger-seconds", str(linger))
     try:
         _fake_process(proc, exporter.pid, "python")
-        _fake_process(proc, 4242, "raylet")
+        _fake_process(proc, 4242, "ray::Replica")
+        _fake_process(proc, 5555, "envoy")
+        _recorded(folder, "counter_4242.db")
         wait_until(lambda: _scrape(port) == {}, 20, "the exporter")
         exporter.send_signal(stop)
-        deadline = time.monotonic() + 3  # several checks of the pod's processes
+        deadline = time.monotonic() + 3  # several checks of the recording processes
         while time.monotonic() < deadline:
             assert _scrape(port) == {}
             time.sleep(0.2)
         assert exporter.poll() is None
         shutil.rmtree(proc / "4242")
+        gone = time.monotonic()
+        time.sleep(linger / 2)  # well inside the linger, past one check of the processes
+        assert _scrape(port) == {}
         _, stderr = exporter.communicate(timeout=10)
         assert exporter.returncode == 0, stderr
+        assert time.monotonic() - gone >= linger
     finally:
         exporter.kill()
         exporter.wait()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--linger-seconds", "-1", "--outlive-processes-in", "/proc"], "--linger-seconds must be 0 or more"),
+    (["--linger-seconds", "5"], "--linger-seconds needs --outlive-processes-in"),
+])
+def test_a_linger_it_cannot_honour_is_refused(tmp_path, args, message):
+    exporter = _exporter(free_port(), dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path)), *args)
+    _, stderr = exporter.communicate(timeout=60)
+    assert exporter.returncode == 2
+    assert message in stderr
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
