@@ -133,7 +133,7 @@ class Generation:
             raise
 
     async def _choice_deltas(self, index: int, request: GenerateRequest) -> AsyncGenerator[Delta, None]:
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         matcher = StopMatcher(self.stops)
         stop_ids = frozenset(request.sampling.stop_token_ids)
         first = True

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
@@ -30,6 +30,8 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 DEFAULT_TEMPLATE_NAME = "default"
 REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
+# The prompt's ids that the detokenizer decodes before the first generated one (vLLM's offset: 5).
+PROMPT_CONTEXT_TOKENS = 5
 
 
 class ChatTemplateError(ValueError):
@@ -118,20 +120,27 @@ class Tokenizer:
 
 class IncrementalDetokenizer:
     """Feed generated ids one at a time with `push`; each call returns the new text (maybe "").
-    Concatenating every push and a final `finish` equals decoding all ids at once.
+    Concatenating every push and a final `finish` equals decoding the prompt's ids and the generated
+    ones at once, less the prompt's text.
 
     It decodes a short window: the ids since the last emitted text, plus the ids that produced that
-    text as left context (the decoder may render a token differently at the start of a string).
+    text as left context (the decoder may render a token differently at the start of a string: a
+    SentencePiece decoder drops the first token's leading space). Before the first text, the
+    context is the prompt's last few ids, as in vLLM, so the first word keeps its space.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._window: list[int] = []  # context ids, then ids not yet emitted
-        self._context_length = 0  # how many leading ids of the window were already emitted
+        context = [token for token in prompt_ids if not self._skipped(token)][-PROMPT_CONTEXT_TOKENS:]
+        if self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = []  # a prompt that ends inside a character: its text cannot be a prefix
+        self._window: list[int] = context  # context ids, then ids not yet emitted
+        self._context_length = len(context)  # how many leading ids of the window were already emitted
 
     def push(self, token_id: int) -> str:
-        if self._skip_special_tokens and token_id in self._tokenizer.special_ids:
+        if self._skipped(token_id):
             return ""  # no text, now or in context: kept out of the window, which would only grow
         self._window.append(token_id)
         context_text = self._decode(self._window[: self._context_length])
@@ -149,6 +158,9 @@ class IncrementalDetokenizer:
         remainder = self._decode(self._window)[len(context_text) :]
         self._window, self._context_length = [], 0
         return remainder
+
+    def _skipped(self, token_id: int) -> bool:
+        return self._skip_special_tokens and token_id in self._tokenizer.special_ids
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 
 import pytest
 import uvicorn
+from tokenizers import Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers
 
 from megaserve.replicas.engines.torch_engine import TorchEngine
 from megaserve.replicas.models.demo import ensure_demo_model
@@ -35,6 +36,18 @@ def demo_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tokenizer(demo_model_dir) -> Tokenizer:
     return Tokenizer.from_dir(demo_model_dir)
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_tokenizer() -> Tokenizer:
+    """A tokenizer that decodes as Llama 2's and Mistral's do: "▁" for a space, and the first token of
+    a decoded string without its leading space."""
+    words = ["<unk>", "▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris"]
+    backend = BackendTokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return Tokenizer(backend, {}, None)
 
 
 @pytest.fixture(scope="session")

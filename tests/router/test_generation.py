@@ -71,8 +71,9 @@ class OneOutputBackend:
         return 1
 
 
-async def generate(tokenizer: Tokenizer, token_ids: list[int], stops: tuple[str, ...]) -> tuple[Generation, str]:
-    request = GenerateRequest("r", (1, 2, 3))
+async def generate(tokenizer: Tokenizer, token_ids: list[int], stops: tuple[str, ...],
+                   prompt_ids: tuple[int, ...] = (1, 2, 3)) -> tuple[Generation, str]:
+    request = GenerateRequest("r", prompt_ids)
     generation = Generation(OneOutputBackend(token_ids), [request], Tier.LATENCY, "m", tokenizer, stops,
                             arrival=time.perf_counter())
     text = "".join([delta.text async for delta in generation.events()])
@@ -89,6 +90,17 @@ def test_usage_counts_the_tokens_up_to_the_one_that_completes_a_stop_string(toke
     assert generation.decode_tokens == completing - 1  # the first token's step is the prefill
     generation, text = asyncio.run(generate(tokenizer, token_ids, ()))
     assert text == "ab STOP cd ef gh" and generation.completion_tokens == len(token_ids)
+
+
+@pytest.mark.parametrize("stops", [(), (" Paris",)], ids=["no stop", "a stop that starts with a space"])
+def test_a_completion_goes_on_from_its_prompt_s_text(sentencepiece_tokenizer, stops):
+    # A SentencePiece decoder drops a string's first space: decoded alone, the completion would
+    # read "Paris is" and never match a stop string that starts with a space.
+    prompt = tuple(sentencepiece_tokenizer.encode("The capital of France is", add_special_tokens=False))
+    token_ids = sentencepiece_tokenizer.encode("Paris is", add_special_tokens=False)
+    generation, text = asyncio.run(generate(sentencepiece_tokenizer, token_ids, stops, prompt))
+    assert text == ("" if stops else " Paris is")
+    assert generation.completion_tokens == (1 if stops else 2)
 
 
 class StopIdBackend:

@@ -173,6 +173,27 @@ def test_skipped_special_tokens_cost_the_detokenizer_nothing(ours):
     assert max(counter.lengths) <= len(emoji) + 1  # the window never holds the special tokens
 
 
+def test_the_first_generated_word_keeps_its_space_where_the_decoder_strips_a_string_s_first(
+        sentencepiece_tokenizer):
+    prompt = sentencepiece_tokenizer.encode("The capital of France is", add_special_tokens=False)
+    generated = sentencepiece_tokenizer.encode("Paris is", add_special_tokens=False)
+    assert sentencepiece_tokenizer.decode(generated) == "Paris is"  # alone, the leading space is gone
+    detokenizer = IncrementalDetokenizer(sentencepiece_tokenizer, prompt)
+    deltas = [detokenizer.push(token) for token in generated]
+    assert deltas == [" Paris", " is"]
+    assert "The capital of France is" + "".join(deltas) + detokenizer.finish() == \
+        sentencepiece_tokenizer.decode(prompt + generated)
+
+
+def test_a_prompt_that_ends_inside_a_character_is_no_context(ours):
+    emoji = ours.encode("😀", add_special_tokens=False)
+    prompt = ours.encode("ok", add_special_tokens=False) + emoji[:1]
+    generated = emoji[1:] + ours.encode(" fine", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(ours, prompt)
+    text = "".join(detokenizer.push(token) for token in generated) + detokenizer.finish()
+    assert text == ours.decode(generated)  # as without a prompt: its broken end is not a prefix
+
+
 def test_incremental_detokenizer_finish_releases_an_incomplete_character(ours):
     ids = ours.encode("ok 😀", add_special_tokens=False)[:-1]  # drop the emoji's last byte token
     detokenizer = IncrementalDetokenizer(ours)
