@@ -31,7 +31,9 @@ SGLANG_ONLY_FIELDS = {"sglang_metrics", "sglang_mem_fraction_static", "sglang_ar
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # no true as 1, no "2" as 2
+    # strict: no true as 1, no "2" as 2; no inf or nan in a float field (YAML's .inf and .nan), which
+    # would pass its bounds or fail them only where the value is used
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _absolute(path: str) -> str:

@@ -63,6 +63,20 @@ def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
         AppConfig.model_validate(args)
 
 
+@pytest.mark.parametrize("text", [
+    "latency: {graceful_shutdown_seconds: .inf}",
+    "throughput: {graceful_shutdown_seconds: .nan}",
+    "latency: {coalesce_seconds: .nan}",
+    "throughput: {cpus_per_replica: .inf}",
+    "routing: {latency_wait_seconds: .nan}",
+    "routing: {router_cpus: .inf}",
+    "throughput: {device: cuda, engine: sglang, sglang_mem_fraction_static: .nan}",
+])
+def test_an_infinite_or_nan_float_is_refused(text):
+    with pytest.raises(ValidationError, match="Input should be a finite number"):
+        AppConfig.model_validate(yaml.safe_load(text))
+
+
 def test_a_disabled_tier_s_sequence_length_does_not_bound_the_context():
     config = AppConfig.model_validate({"model": {"max_context": 4096}, "throughput": {"enabled": False},
                                        "latency": {"max_seq_len": 4096}})
