@@ -85,7 +85,8 @@ class TierCommon(_Strict):
         "tp_size / nodes_per_replica GPUs: e.g. 2 GB300 trays of 4 GPUs for TP8 (cuda only).",
     )
     accelerator_type: str | None = Field(
-        None, description="Ray accelerator label the replica must land on, e.g. `H200`, `GB300`.",
+        None, min_length=1,  # "" would be a resource no node has: the replicas would wait for ever
+        description="Ray accelerator label the replica must land on, e.g. `H200`, `GB300`.",
     )
     label_selector: dict[str, str] | None = Field(
         None, description="Ray node labels every node of a replica must carry, e.g. "

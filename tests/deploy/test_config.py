@@ -38,6 +38,8 @@ def test_every_field_has_a_description():
     ({"throughput": {"max_batch": 64, "max_ongoing_requests": 8}}, "max_ongoing_requests"),
     ({"model": {"max_context": 4096}}, "shorter than model.max_context"),
     ({"latency": {"accelerator_type": "H200"}}, "accelerator_type"),
+    ({"latency": {"device": "cuda", "accelerator_type": ""}},
+     "latency.accelerator_type\n  String should have at least 1 character"),
     ({"latency": {"nodes_per_replica": 2}}, "nodes_per_replica > 1 needs device: cuda"),
     ({"latency": {"device": "cuda", "tp_size": 4, "nodes_per_replica": 3}}, "must split evenly"),
     ({"latency": {"device": "cuda", "tp_size": 2, "nodes_per_replica": 4}}, "must split evenly"),
