@@ -271,7 +271,7 @@ class _Router:
         try:
             if body.stream:
                 first = await unless_disconnected(request.receive, anext(events))
-                stream = answer.sse(first, events, n, body.include_usage)
+                stream = answer.sse(first, events, n, body.include_usage, body.continuous_usage)
                 response = EventStreamResponse(stream, headers, on_close=lease.release)
                 lease = None  # the response releases it when the stream ends
                 return response

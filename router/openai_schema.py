@@ -33,6 +33,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(_Request):
@@ -188,6 +190,11 @@ class GenerationRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM ignores continuous_usage_stats without include_usage too)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -226,7 +233,7 @@ class CompletionRequest(GenerationRequest):
             if len(prompt) != 1:
                 raise ValueError("one prompt per request: send a batch as separate requests")
             prompt = prompt[0]
-        if len(prompt) == 0:
+        if isinstance(prompt, list) and not prompt:  # a text prompt "" may tokenize to a BOS, as in vLLM
             raise ValueError("the prompt is empty")
         if isinstance(prompt, list) and min(prompt) < 0:
             raise ValueError("token ids must be >= 0")

@@ -2,7 +2,8 @@
 
 Streams follow OpenAI's order: for chat a first chunk per choice with `{"role": "assistant"}`,
 then one chunk per text delta (the last of a choice carries its finish_reason), then, if
-`stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`.
+`stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`. With
+vLLM's `continuous_usage_stats` as well, every chunk carries the usage so far.
 A failure after the first chunk arrives as an `{"error": ...}` event (the status is already sent),
 then `[DONE]`.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from typing import NamedTuple
 
 from megaserve.replicas.protocol import EngineError, Tier
 from megaserve.router.errors import SERVER_ERROR, APIError
@@ -43,6 +45,13 @@ def served_tier(body: GenerationRequest, lease: Lease) -> str:
     if lease.tier is Tier.THROUGHPUT and body.service_tier in ("flex", "scale"):
         return body.service_tier
     return SERVED_SERVICE_TIER[lease.tier]
+
+
+class _ChunkUsage(NamedTuple):
+    """What a stream's chunks say of the usage: nothing (`shown` false), null, or the usage so far."""
+
+    so_far: Callable[[], Usage] | None
+    shown: bool
 
 
 class ResponseBuilder:
@@ -85,18 +94,21 @@ class ResponseBuilder:
                           timing=self.timing())
 
     async def sse(
-        self, first: Delta, rest: AsyncGenerator[Delta, None], n: int, include_usage: bool
+        self, first: Delta, rest: AsyncGenerator[Delta, None], n: int, include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """Role chunks (chat), then one chunk per delta, the usage chunk if asked, `[DONE]`. As
-        OpenAI's, the chunks have `"usage": null` when the usage is asked for and no `usage` else."""
+        OpenAI's, the chunks have `"usage": null` when the usage is asked for and no `usage` else;
+        with `continuous_usage`, the usage so far (as vLLM's continuous_usage_stats)."""
+        chunk_usage = _ChunkUsage(self.usage if continuous_usage else None, include_usage)
         async with closing(rest):
             try:
                 if self.chat:
                     yield self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
-                                       for i in range(n)], include_usage)
-                yield self._delta_chunk(first, include_usage)
+                                       for i in range(n)], chunk_usage)
+                yield self._delta_chunk(first, chunk_usage)
                 async for delta in rest:
-                    yield self._delta_chunk(delta, include_usage)
+                    yield self._delta_chunk(delta, chunk_usage)
             except (APIError, EngineError, GenerationFailed) as error:
                 message = error.message if isinstance(error, APIError) else f"generation failed: {error}"
                 yield _error_event(message)
@@ -106,21 +118,24 @@ class ResponseBuilder:
                 yield _error_event(f"internal error: {type(error).__name__}")
                 return
         if include_usage:
-            yield self._chunk([], include_usage, usage=self.usage(), timing=self.timing())
+            yield self._chunk([], chunk_usage, usage=self.usage(), timing=self.timing())
         yield SSE_DONE
 
-    def _delta_chunk(self, delta: Delta, include_usage: bool) -> bytes:
+    def _delta_chunk(self, delta: Delta, chunk_usage: _ChunkUsage) -> bytes:
         if self.chat:
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
             return self._chunk([ChatChunkChoice(index=delta.index, delta=content,
-                                                finish_reason=delta.finish_reason)], include_usage)
+                                                finish_reason=delta.finish_reason)], chunk_usage)
         return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason)],
-                           include_usage)
+                           chunk_usage)
 
-    def _chunk(self, choices: list, include_usage: bool, **extra) -> bytes:
+    def _chunk(self, choices: list, chunk_usage: _ChunkUsage, **extra) -> bytes:
         kind = ChatCompletionChunk if self.chat else Completion
+        if chunk_usage.so_far is not None and "usage" not in extra:
+            extra["usage"] = chunk_usage.so_far()
         chunk = kind(**self.common, created=self.created, choices=choices, **extra)
-        return b"data: " + chunk.model_dump_json(exclude=None if include_usage else {"usage"}).encode() + b"\n\n"
+        exclude = None if chunk_usage.shown else {"usage"}
+        return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
 
 
 def _sse(payload: dict) -> bytes:

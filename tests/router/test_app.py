@@ -93,6 +93,27 @@ def test_streamed_chat_has_role_first_then_content_then_finish_then_usage(router
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(router_url):
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": True, **GREEDY,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{router_url}/v1/chat/completions", json=request) as response:
+        *chunks, usage_chunk, done = sse_payloads(response)
+    prompt_tokens = usage_chunk["usage"]["prompt_tokens"]
+    completion_tokens = [c["usage"]["completion_tokens"] for c in chunks]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {prompt_tokens}
+    assert completion_tokens[0] <= 1  # the role chunk: it goes once the first token has come
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 5
+    assert all(c["usage"]["total_tokens"] == prompt_tokens + c["usage"]["completion_tokens"] for c in chunks)
+    assert usage_chunk["usage"]["completion_tokens"] == 5
+
+
+def test_an_empty_text_prompt_is_its_special_tokens_as_in_vllm(router_url, tokenizer):
+    assert tokenizer.encode("", add_special_tokens=True)  # the demo tokenizer adds a BOS
+    response = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "prompt": "", "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+
+
 def test_stop_string_spanning_tokens_truncates_the_text_and_frees_the_replica(router_url, engines, tokenizer):
     request = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 40,
                "service_tier": "priority", **GREEDY}
