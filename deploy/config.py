@@ -7,11 +7,13 @@ validators so that a bad config fails before anything starts, with a message nam
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from megaserve.deploy.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
 from megaserve.replicas.engines.sglang_engine import OWNED_ARGS as SGLANG_OWNED_ARGS
 from megaserve.replicas.protocol import CoalescePolicy
 from megaserve.router.settings import (
@@ -182,10 +184,11 @@ class ThroughputTier(TierCommon):
     sglang_args: dict[str, object] = Field(
         default_factory=dict, description="engine sglang: further `sglang.Engine` keyword "
         "arguments (SGLang ServerArgs fields, e.g. chunked_prefill_size, "
-        "enable_deterministic_inference for seeded sampling). The ones megaserve sets are refused "
-        "here: model_path (model.path), tp_size, context_length (max_seq_len), dtype (model.dtype), "
-        "max_running_requests (max_batch), enable_metrics (sglang_metrics), mem_fraction_static "
-        "(sglang_mem_fraction_static), skip_tokenizer_init.",
+        "enable_deterministic_inference for seeded sampling); a key that is not a ServerArgs field of "
+        "the pinned SGLang is refused, and so are the ones megaserve sets: model_path (model.path), "
+        "tp_size, context_length (max_seq_len), dtype (model.dtype), max_running_requests (max_batch), "
+        "enable_metrics (sglang_metrics), mem_fraction_static (sglang_mem_fraction_static), "
+        "skip_tokenizer_init.",
     )
 
     @model_validator(mode="after")
@@ -203,12 +206,21 @@ class ThroughputTier(TierCommon):
         if owned:
             raise ValueError(f"throughput.sglang_args must not set {owned}: megaserve sets them from "
                              f"the config (see the field's description)")
+        unknown = sorted(set(self.sglang_args) - SERVER_ARGS_FIELDS)
+        if unknown:
+            raise ValueError(f"throughput.sglang_args: {'; '.join(_unknown_server_arg(key) for key in unknown)}")
         if self.max_ongoing_requests < self.max_batch:
             raise ValueError("throughput.max_ongoing_requests must be >= max_batch")
         if self.tp_size > 1 and self.engine == "torch":
             raise ValueError("throughput.tp_size > 1 needs engine sglang: the torch engine runs on one "
                              "device, and the other GPUs of the group would stay idle")
         return self
+
+
+def _unknown_server_arg(key: str) -> str:
+    close = difflib.get_close_matches(key, SERVER_ARGS_FIELDS)
+    hint = f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
+    return f"{key!r} is not a ServerArgs field of SGLang {SGLANG_VERSION}{hint}"
 
 
 class Routing(_Strict):

@@ -75,6 +75,9 @@ def test_the_replica_holds_its_tp_group_s_gpus_in_one_bundle_and_writes_to_the_m
      "sglang_args must not set \\['context_length', 'tp_size'\\]"),
     ({"sglang_args": {"skip_tokenizer_init": False}}, "must not set \\['skip_tokenizer_init'\\]"),
     ({"sglang_args": {"mem_fraction_static": 0.5}}, "must not set \\['mem_fraction_static'\\]"),
+    ({"sglang_args": {"chunked_prefil_size": 4096, "no_such_field": 1}},
+     "throughput.sglang_args: 'chunked_prefil_size' is not a ServerArgs field of SGLang 0.5.23 "
+     "\\(did you mean 'chunked_prefill_size'.*; 'no_such_field' is not a ServerArgs field"),
     ({"sglang_mem_fraction_static": 1.0}, "sglang_mem_fraction_static\n  Input should be less than 1"),
     ({"sglang_mem_fraction_static": 0}, "sglang_mem_fraction_static\n  Input should be greater than 0"),
     ({"device": "cpu", "tp_size": 1, "accelerator_type": None}, "engine sglang needs throughput.device: cuda"),
@@ -111,3 +114,9 @@ def test_the_readme_s_sglang_example_is_a_valid_throughput_tier():
     assert throughput.engine == "sglang" and throughput.tp_size == 4
     assert throughput.sglang_mem_fraction_static == 0.85
     assert throughput.sglang_args == {"chunked_prefill_size": 4096}
+
+
+def test_server_args_fields_that_megaserve_does_not_set_are_accepted():
+    args = {"enable_deterministic_inference": True, "enable_priority_scheduling": False,
+            "incremental_streaming_output": True}
+    assert _config(sglang_args=args).throughput.sglang_args == args
