@@ -44,6 +44,15 @@ class EngineError(Exception):
     """A request that an engine refuses (bad ids, too long, ...); the message is for the client."""
 
 
+class EngineDeadError(Exception):
+    """The engine serves nothing any more: a step failed (the message says how) or it was shut down.
+    Not an EngineError: the request was fine, and another replica can serve it once Serve replaces
+    this one, so the router answers 503 with Retry-After (vLLM's EngineDeadError), not 400."""
+
+
+ENGINE_SHUT_DOWN = "the engine is shut down"  # EngineDeadError's message where no step failed
+
+
 # The files of a Hugging Face model folder that both the router and the replicas read.
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

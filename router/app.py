@@ -27,9 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
-from megaserve.replicas.protocol import SEED_MIN, EngineError, GenerateRequest, SamplingParams, Tier
+from megaserve.replicas.protocol import SEED_MIN, EngineDeadError, EngineError, GenerateRequest, SamplingParams, Tier
 from megaserve.router.backend import Backend
-from megaserve.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, invalid
+from megaserve.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, invalid, service_unavailable
 from megaserve.router.generation import Delta, Generation, GenerationFailed
 from megaserve.router.openai_schema import (
     ChatCompletionRequest,
@@ -281,6 +281,9 @@ class _Router:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except EngineError as error:
             raise invalid(str(error)) from None
+        except EngineDeadError as error:  # Serve is about to replace the replica: the request itself was fine
+            raise service_unavailable(f"the {lease.tier.value} replica that took the request is down ({error}); "
+                                      "retry later", self.settings.retry_after_seconds, code="engine_dead") from None
         except GenerationFailed as error:
             raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", type=SERVER_ERROR,
                            reason="failed") from None

@@ -15,7 +15,8 @@ from megaserve.replicas.protocol import Engine, GenerateRequest, StepOutput
 class Backend(Protocol):
     def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
         """The replica's `StepOutput`s for `request`. Closing the generator (`aclose`) must stop
-        the generation on the replica at once; an `EngineError` means the request is invalid."""
+        the generation on the replica at once; an `EngineError` means the request is invalid, an
+        `EngineDeadError` that the replica's engine serves nothing any more (another may)."""
 
     async def healthy_replicas(self) -> int:
         """Replicas able to take requests now; 0 makes the router answer 503 for this tier."""

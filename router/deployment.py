@@ -5,6 +5,8 @@ Each tier is a `DeploymentHandle` to replicas whose `generate(request)` is an as
 closes the stream (stop string, client gone), so Ray cancels the replica-side generator and a
 batch-1 replica stops decoding at its next step. Serve's own refusals become OpenAI errors:
 BackPressureError (the replicas' queues are full) -> 429, no replica to take the call -> 503.
+A replica's EngineError (a refused request) and EngineDeadError (an engine that failed or was shut
+down, whose replica Serve has yet to replace) reach the app as themselves: a 400 and a 503.
 A replica that dies or fails mid-generation ends the request with an OpenAI server error (a 500,
 or an error event on a stream that already started), never a broken connection.
 """
@@ -24,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from megaserve.monitoring.exporter import start_node_exporter
 from megaserve.monitoring.metrics import start_router_series
-from megaserve.replicas.protocol import EngineError, GenerateRequest, StepOutput, Tier
+from megaserve.replicas.protocol import EngineDeadError, EngineError, GenerateRequest, StepOutput, Tier
 from megaserve.router.app import create_app
 from megaserve.router.backend import Backend
 from megaserve.router.errors import busy
@@ -66,6 +68,8 @@ class ServeBackend:
         except RayTaskError as error:
             if isinstance(error.cause, EngineError):
                 raise EngineError(str(error.cause)) from None
+            if isinstance(error.cause, EngineDeadError):
+                raise EngineDeadError(str(error.cause)) from None
             raise GenerationFailed(f"the {self.handle.deployment_name} replica failed: {error.cause!r}") from None
         except RayActorError as error:
             raise GenerationFailed(f"the {self.handle.deployment_name} replica died: {_first_line(error)}") from None

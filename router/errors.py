@@ -50,9 +50,14 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def busy(message: str, retry_after_seconds: int, *, unavailable: bool) -> APIError:
     """429 when every slot is taken, 503 when no replica is healthy; both say when to retry."""
-    headers = {"Retry-After": str(retry_after_seconds)}
     if unavailable:
-        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type=UNAVAILABLE,
-                        code="no_healthy_replicas", headers=headers, reason="unavailable")
-    return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, type=RATE_LIMIT,
-                    code="saturated", headers=headers, reason="saturated")
+        return service_unavailable(message, retry_after_seconds, code="no_healthy_replicas")
+    return APIError(HTTPStatus.TOO_MANY_REQUESTS, message, type=RATE_LIMIT, code="saturated",
+                    headers={"Retry-After": str(retry_after_seconds)}, reason="saturated")
+
+
+def service_unavailable(message: str, retry_after_seconds: int, *, code: str) -> APIError:
+    """503 with Retry-After: no replica can serve the request now (none is healthy, or the one that
+    took it has a dead engine), but a retry may find one, so clients and gateways retry."""
+    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type=UNAVAILABLE, code=code,
+                    headers={"Retry-After": str(retry_after_seconds)}, reason="unavailable")

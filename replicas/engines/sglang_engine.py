@@ -86,9 +86,10 @@ from typing import Any
 from ..models.config import hf_eos_token_ids
 from ..protocol import (
     CONFIG_FILE,
+    ENGINE_SHUT_DOWN,
     CoalescePolicy,
     Engine,
-    EngineError,
+    EngineDeadError,
     EngineHealth,
     FinishReason,
     GenerateRequest,
@@ -303,9 +304,10 @@ class SGLangEngine(Engine):
         self._closed = False
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        """Validate now (EngineError at the call), submit to SGLang when iteration starts."""
+        """Validate now (EngineError at the call, EngineDeadError after shutdown), submit to SGLang
+        when iteration starts."""
         if self._closed:
-            raise EngineError("the engine is shut down")
+            raise EngineDeadError(ENGINE_SHUT_DOWN)
         self.validate(request)
         return self._generate(request)
 
@@ -360,7 +362,7 @@ class SGLangEngine(Engine):
             self._runtime.tokenizer_manager.abort_request(rid=rid)
 
     async def health(self) -> EngineHealth:
-        problem = "the engine is shut down" if self._closed else await self._probe()
+        problem = ENGINE_SHUT_DOWN if self._closed else await self._probe()
         return EngineHealth(healthy=not problem, detail=problem, running_requests=len(self._active))
 
     async def _probe(self) -> str:

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ..protocol import CoalescePolicy, EngineError, FinishReason, StepOutput
+from ..protocol import ENGINE_SHUT_DOWN, CoalescePolicy, EngineDeadError, FinishReason, StepOutput
 
 Item = TypeVar("Item")
 
@@ -185,15 +185,16 @@ class RequestQueue(Generic[Item]):
         self._arrivals = itertools.count()
         self._condition = threading.Condition()
         self.closed = False
+        self.closed_because = ""  # EngineDeadError's message for every put after close
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def put(self, item: Item, priority: int = 0) -> None:
-        """Queue `item` (any thread); raises EngineError once the queue is closed."""
+        """Queue `item` (any thread); raises EngineDeadError once the queue is closed."""
         with self._condition:
             if self.closed:
-                raise EngineError("the engine is shut down")
+                raise EngineDeadError(self.closed_because)
             heapq.heappush(self._heap, (-priority, next(self._arrivals), item))
             self._condition.notify()
 
@@ -213,9 +214,12 @@ class RequestQueue(Generic[Item]):
             self._condition.wait_for(lambda: self._heap or self.closed)
             return not self.closed
 
-    def close(self) -> None:
-        """Refuse further items and wake the waiting engine thread."""
+    def close(self, because: str = ENGINE_SHUT_DOWN) -> None:
+        """Refuse further items, saying `because` (the first close's reason stays: a failed step
+        outranks the shutdown that follows it), and wake the waiting engine thread."""
         with self._condition:
+            if not self.closed:
+                self.closed_because = because
             self.closed = True
             self._condition.notify_all()
 

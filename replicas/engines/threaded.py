@@ -6,8 +6,8 @@ A subclass sets `vocab_size`, `max_context`, `eos_ids`, `coalesce` and `metrics`
 EngineMetrics, whose step records are also health's sign of progress), calls
 `_start_step_thread(name)` last in its constructor, and implements `_step_loop` (returns once the
 queue is closed), `_abort_all` (ends every stream it still holds) and `_running_count`. A step
-that raises ends the engine: the streams end with ABORT and the error, and health turns
-unhealthy so that Serve replaces the replica.
+that raises ends the engine: the streams end with ABORT and the error, later requests get
+EngineDeadError with it, and health turns unhealthy so that Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..protocol import CoalescePolicy, Engine, EngineError, EngineHealth, GenerateRequest, StepOutput
+from ..protocol import (
+    ENGINE_SHUT_DOWN,
+    CoalescePolicy,
+    Engine,
+    EngineDeadError,
+    EngineHealth,
+    GenerateRequest,
+    StepOutput,
+)
 from .engine_metrics import EngineMetrics
 from .stream import RequestQueue, TokenStream
 
@@ -68,6 +76,7 @@ class StepThreadEngine(Engine):
         except Exception as exc:
             logger.exception("%s: engine step failed", type(self).__name__)
             self._failure = f"engine step failed: {type(exc).__name__}: {exc}"
+            self._queue.close(self._failure)  # the first close's reason is what later requests are told
         finally:
             self._abort_all()
 
@@ -84,9 +93,10 @@ class StepThreadEngine(Engine):
         """Requests being generated now."""
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        """Validate now (EngineError at the call), queue when iteration starts."""
+        """Validate now (EngineError at the call, EngineDeadError once a step failed or after
+        shutdown), queue when iteration starts."""
         if self._queue.closed:
-            raise EngineError("the engine is shut down")
+            raise EngineDeadError(self._queue.closed_because)
         self.validate(request)
         return self._generate(request)
 
@@ -102,7 +112,7 @@ class StepThreadEngine(Engine):
     async def health(self) -> EngineHealth:
         alive = self._thread.is_alive()
         stalled = self.metrics.seconds_without_progress()
-        detail = self._failure or ("" if alive else "the engine is shut down")
+        detail = self._failure or ("" if alive else ENGINE_SHUT_DOWN)
         if stalled > STALL_SECONDS and not detail:
             detail = f"no step finished for {stalled:.0f} s with {self._running_count()} request(s) running"
         return EngineHealth(

@@ -1,5 +1,6 @@
 """The router over real TorchEngines on the demo model, through real HTTP: both tiers, streaming
-and not, the tier echoed, usage, stop strings, n, auth, /v1/models and /health."""
+and not, the tier echoed, usage, stop strings, n, auth, /v1/models and /health; and a replica whose
+engine is dead, through a stand-in backend."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import asyncio
 import contextlib
 import json
 import shutil
+from collections.abc import AsyncGenerator
 
 import httpx
 import pytest
 from ray.exceptions import TaskCancelledError
 
-from megaserve.replicas.protocol import Tier
+from megaserve.replicas.protocol import EngineDeadError, GenerateRequest, StepOutput, Tier
 from megaserve.router.app import create_app
 from megaserve.router.backend import EngineBackend
+from megaserve.router.errors import UNAVAILABLE
 
 from .conftest import LATENCY_MAX_PROMPT_TOKENS, MODEL, router_settings, running_requests, serving, wait_until
 
@@ -252,6 +255,29 @@ def test_a_single_tier_deployment_serves_everything_from_it(serve_router, engine
     assert response.headers["x-megaserve-tier"] == "throughput"
     assert response.headers["x-megaserve-route-reason"] == "only_tier"
     assert httpx.get(url + "/health").json()["tiers"]["latency"]["healthy"] is False
+
+
+class DeadEngineBackend:
+    """A replica that Serve still counts as running (its failed health checks have not yet added up
+    to a replacement) but whose engine failed a step: every request is refused as the engine does."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        raise EngineDeadError("engine step failed: RuntimeError: CUDA error: an illegal memory access")
+        yield  # an async generator, as a backend's stream is
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_dead_engine_is_a_503_to_retry_not_a_400(serve_router, stream):
+    url = serve_router({Tier.LATENCY: DeadEngineBackend()}, retry_after_seconds=3)
+    body = {"model": MODEL, "messages": HELLO, "service_tier": "priority", "stream": stream}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 503 and response.headers["retry-after"] == "3"
+    error = response.json()["error"]
+    assert error["type"] == UNAVAILABLE and error["code"] == "engine_dead"
+    assert "engine step failed: RuntimeError: CUDA error" in error["message"]
 
 
 @pytest.mark.parametrize("disconnect_errors, status", [((TaskCancelledError,), 499), ((), 500)])

@@ -1,6 +1,7 @@
 """ServeBackend's translation of what a DeploymentHandle raises, with a stand-in handle (the real
 ones run in tests/deploy/test_app.py): every Ray failure of a call ends the generation as
-GenerationFailed, which the router reports as an OpenAI server error, and the call is cancelled.
+GenerationFailed, which the router reports as an OpenAI server error, and the call is cancelled; an
+engine's own EngineError and EngineDeadError come through as themselves.
 And router replicas on the live stack's Serve: each admits its own share of the tiers."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import time
 import urllib.request
 
 import pytest
-from ray.exceptions import ObjectLostError, WorkerCrashedError
+from ray.exceptions import ObjectLostError, RayTaskError, WorkerCrashedError
 
 from megaserve.replicas.models.demo import ensure_demo_model
-from megaserve.replicas.protocol import GenerateRequest, StepOutput
+from megaserve.replicas.protocol import EngineDeadError, EngineError, GenerateRequest, StepOutput
 from megaserve.router.deployment import RouterDeployment, ServeBackend
 from megaserve.router.generation import GenerationFailed
 from megaserve.router.settings import RouterSettings
@@ -67,6 +68,23 @@ def test_a_ray_failure_of_the_call_is_a_failed_generation(error):
     expected = f"the call to the LatencyReplica replica failed: {type(error).__name__}"
     with pytest.raises(GenerationFailed, match=expected):
         asyncio.run(consume())
+    assert response.cancelled
+
+
+@pytest.mark.parametrize("engine_error", [EngineError("the prompt is empty"),
+                                          EngineDeadError("engine step failed: RuntimeError: boom")])
+def test_an_engine_s_own_errors_come_through_the_handle_as_themselves(engine_error):
+    """Ray raises what a replica's generate raised wrapped in a RayTaskError; the app tells a
+    refused request (400) from a dead engine (503) by the class."""
+    response = FailingResponse(RayTaskError("generate", "Traceback ...", engine_error).as_instanceof_cause())
+    backend = ServeBackend(Handle(response), retry_after_seconds=1)
+
+    async def consume() -> list[StepOutput]:
+        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
+
+    with pytest.raises(type(engine_error)) as raised:
+        asyncio.run(consume())
+    assert type(raised.value) is type(engine_error) and str(raised.value) == str(engine_error)
     assert response.cancelled
 
 

@@ -29,7 +29,14 @@ from megaserve.replicas.engines.sglang_engine import (
     sglang_sampling_params,
     step_times,
 )
-from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason, GenerateRequest, SamplingParams
+from megaserve.replicas.protocol import (
+    CoalescePolicy,
+    EngineDeadError,
+    EngineError,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+)
 from tests.replicas.engines.sglang_stand_in import StandInSGLang
 
 ONE_BY_ONE = CoalescePolicy(seconds=0.0, tokens=1)
@@ -403,7 +410,7 @@ async def test_shutdown_aborts_running_streams_stops_sglang_and_refuses_new_ones
     assert rest[-1].finish_reason == FinishReason.ABORT and rest[-1].error == "the engine is shutting down"
     assert sglang.tokenizer_manager.aborted == [sglang.requests[0]["rid"]]
     assert sglang.shut_down
-    with pytest.raises(EngineError, match="shut down"):
+    with pytest.raises(EngineDeadError, match="shut down"):
         engine.generate(_request())
     assert not (await engine.health()).healthy
 

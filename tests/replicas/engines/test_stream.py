@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megaserve.replicas.engines.stream import Chunk, RequestQueue, StreamOutbox, TokenStream
-from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason
+from megaserve.replicas.protocol import CoalescePolicy, EngineDeadError, EngineError, FinishReason
 
 STEP = 0.001
 
@@ -154,10 +154,11 @@ def test_request_queue_orders_by_priority_then_arrival_and_closes():
         queue.put(item, priority)
     assert len(queue) == 5
     assert [queue.pop() for _ in range(3)] == ["b", "d", "a"]
-    queue.close()
+    queue.close("engine step failed: RuntimeError: boom")
+    queue.close()  # the shutdown after a failed step: the failure is still what a put is told
     assert not queue.wait()
     assert queue.drain() == ["c", "e"] and queue.pop() is None
-    with pytest.raises(EngineError, match="shut down"):
+    with pytest.raises(EngineDeadError, match="^engine step failed: RuntimeError: boom$"):
         queue.put("f")
 
 

@@ -16,6 +16,7 @@ from megaserve.replicas.engines import create_engine
 from megaserve.replicas.engines.torch_engine import TorchEngine
 from megaserve.replicas.protocol import (
     CoalescePolicy,
+    EngineDeadError,
     EngineError,
     FinishReason,
     GenerateRequest,
@@ -299,7 +300,7 @@ async def test_shutdown_aborts_pending_streams_and_refuses_new_ones(make_engine)
     assert last.finish_reason == FinishReason.ABORT
     assert waiting_items[-1].finish_reason == FinishReason.ABORT and waiting_items[-1].token_ids == []
     assert not (await engine.health()).healthy
-    with pytest.raises(EngineError, match="shut down"):
+    with pytest.raises(EngineDeadError, match="shut down"):
         engine.generate(_request(_prompt(3, 20)))
 
 
@@ -325,6 +326,20 @@ async def test_a_failed_step_aborts_with_the_error_and_reports_unhealthy(make_en
     assert items[-1].finish_reason == FinishReason.ABORT and "engine step failed" in items[-1].error
     health = await engine.health()
     assert not health.healthy and "engine step failed" in health.detail
+
+
+async def test_after_a_failed_step_requests_are_refused_as_a_dead_engine_not_as_bad_requests(make_engine):
+    """The router answers EngineError with a final 400 and EngineDeadError with a 503 to retry: a
+    request that reaches a replica before Serve replaces it was fine, and must be retried."""
+    engine = make_engine()
+    engine.cache.k[0] = None  # break the cache: the next forward fails inside the step thread
+    await asyncio.wait_for(_collect(engine, _request(_prompt(4, 22), max_tokens=3)), 10)
+    with pytest.raises(EngineDeadError, match="^engine step failed: AttributeError: ") as refused:
+        engine.generate(_request(_prompt(3, 23)))
+    assert not isinstance(refused.value, EngineError)
+    await engine.shutdown()  # the shutdown that follows keeps the failure as the reason
+    with pytest.raises(EngineDeadError, match="^engine step failed: "):
+        engine.generate(_request(_prompt(3, 23)))
 
 
 async def test_a_wedged_step_reports_unhealthy_until_steps_move_again(make_engine, monkeypatch):
