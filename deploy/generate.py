@@ -69,21 +69,29 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     step_ms: list[float] = []
     finish_reason = None
 
-    async def consume() -> None:
+    async def consume() -> str | None:
+        """Stream the tokens; the engine's error if it failed mid-stream. The engine is shut down
+        either way (its threads and device memory are not left to the interpreter's exit)."""
         nonlocal finish_reason
-        async for output in engine.generate(request):
-            token_ids.extend(output.token_ids)
-            step_ms.extend(s * 1e3 for s in output.step_seconds)
-            text = "".join(detokenizer.push(t) for t in output.token_ids)
-            if not args.json:
-                print(text, end="", flush=True)
-            if output.finish_reason is not None:
-                finish_reason = output.finish_reason.value
-                if output.error:
-                    raise RuntimeError(output.error)
-        await engine.shutdown()
+        try:
+            async for output in engine.generate(request):
+                token_ids.extend(output.token_ids)
+                step_ms.extend(s * 1e3 for s in output.step_seconds)
+                text = "".join(detokenizer.push(t) for t in output.token_ids)
+                if not args.json:
+                    print(text, end="", flush=True)
+                if output.finish_reason is not None:
+                    finish_reason = output.finish_reason.value
+                    if output.error:
+                        return output.error
+            return None
+        finally:
+            await engine.shutdown()
 
-    asyncio.run(consume())
+    error = asyncio.run(consume())
+    if error is not None:  # as run_against_server reports a mid-stream error event
+        print(f"\nmegaserve generate: {args.engine} engine failed mid-stream: {error}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({
             "engine": args.engine, "prompt_token_ids": prompt_ids, "token_ids": token_ids,

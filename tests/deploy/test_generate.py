@@ -12,7 +12,12 @@ import threading
 import pytest
 import torch
 
+from megaserve.deploy import generate
+from megaserve.deploy.cli import _parser
+from megaserve.deploy.env import Environment
+from megaserve.replicas import engines
 from megaserve.replicas.models.demo import ensure_demo_model
+from megaserve.replicas.protocol import FinishReason, StepOutput
 
 
 def _generate(*args: str) -> dict:
@@ -65,6 +70,49 @@ def test_a_request_the_engine_refuses_is_a_one_line_error(demo_dir):
     assert "max_tokens must be at least 1" in _generate_fails("hi", "--model", demo_dir, "--max-tokens", "0")
     too_long = _generate_fails("hi", "--model", demo_dir, "--device", "cpu", "--max-tokens", "5000")
     assert "maximum context length is 2048 tokens" in too_long  # the demo model's positions
+
+
+class ScriptedEngine:
+    """An engine stand-in (no model, no device) that streams `outputs` and records its shutdown."""
+
+    def __init__(self, outputs: list[StepOutput]) -> None:
+        self.outputs = outputs
+        self.shut_down = False
+
+    def validate(self, request) -> None:
+        pass
+
+    async def generate(self, request):
+        for output in self.outputs:
+            yield output
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def _run_in_process(monkeypatch, tmp_path, model_dir: str, outputs: list[StepOutput], *argv: str):
+    """`generate hi --model model_dir *argv` in this process on a ScriptedEngine: its exit code, the
+    engine, and what create_engine was given."""
+    engine = ScriptedEngine(outputs)
+    created: dict = {}
+
+    def create_engine(kind, **settings):
+        created.update(settings, kind=kind)
+        return engine
+
+    monkeypatch.setattr(engines, "create_engine", create_engine)
+    args = _parser().parse_args(["generate", "hi", "--model", model_dir, *argv])
+    env = Environment(home=tmp_path, kernel_cache=tmp_path / "kernels", api_keys=())
+    return generate.run_in_process(args, env), engine, created
+
+
+def test_an_engine_that_fails_mid_stream_is_a_one_line_error_and_is_shut_down(monkeypatch, tmp_path, demo_dir,
+                                                                                 capsys):
+    failed = StepOutput(token_ids=[], step_seconds=[], finish_reason=FinishReason.ABORT, error="the GPU fell off")
+    code, engine, _ = _run_in_process(monkeypatch, tmp_path, demo_dir,
+                                      [StepOutput(token_ids=[65], step_seconds=[0.001]), failed])
+    assert code == 2 and engine.shut_down
+    assert "megaserve generate: torch engine failed mid-stream: the GPU fell off" in capsys.readouterr().err
 
 
 class FailingStreamHandler(http.server.BaseHTTPRequestHandler):
