@@ -51,8 +51,8 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
         prompt_ids = _prompt_ids(tokenizer, args)
         # A KV cache for this one request, not for the model's whole context (131,072 positions of
         # Llama-3.1-8B would take 17 GB); the engine caps it at the model's positions.
-        settings = ({"device": "cuda", "kernel_cache": str(env.kernel_cache)} if args.engine == "megakernel"
-                    else {"device": args.device or _default_device(), "max_batch": 1})
+        settings = ({"device": args.device or "cuda", "kernel_cache": str(env.kernel_cache)}
+                    if args.engine == "megakernel" else {"device": args.device or _default_device(), "max_batch": 1})
         engine = create_engine(args.engine, model_dir=args.model, max_seq=len(prompt_ids) + sampling.max_tokens,
                                **settings)
     except (OSError, ValueError, RuntimeError) as error:  # no model there, a shape or device it cannot run

@@ -106,6 +106,9 @@ def _run_in_process(monkeypatch, tmp_path, model_dir: str, outputs: list[StepOut
     return generate.run_in_process(args, env), engine, created
 
 
+ONE_TOKEN = StepOutput(token_ids=[65], step_seconds=[0.001], finish_reason=FinishReason.LENGTH)
+
+
 def test_an_engine_that_fails_mid_stream_is_a_one_line_error_and_is_shut_down(monkeypatch, tmp_path, demo_dir,
                                                                                  capsys):
     failed = StepOutput(token_ids=[], step_seconds=[], finish_reason=FinishReason.ABORT, error="the GPU fell off")
@@ -113,6 +116,14 @@ def test_an_engine_that_fails_mid_stream_is_a_one_line_error_and_is_shut_down(mo
                                       [StepOutput(token_ids=[65], step_seconds=[0.001]), failed])
     assert code == 2 and engine.shut_down
     assert "megaserve generate: torch engine failed mid-stream: the GPU fell off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "device"), [([], "cuda"), (["--device", "cuda:1"], "cuda:1")])
+def test_the_megakernel_runs_on_the_device_asked_for(monkeypatch, tmp_path, demo_dir, argv, device):
+    code, engine, created = _run_in_process(monkeypatch, tmp_path, demo_dir, [ONE_TOKEN], "--engine", "megakernel",
+                                            "--json", *argv)
+    assert code == 0 and engine.shut_down
+    assert created["kind"] == "megakernel" and created["device"] == device
 
 
 class FailingStreamHandler(http.server.BaseHTTPRequestHandler):
