@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -82,9 +83,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise EngineError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise EngineError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        # NaN passes `< 0` and then samples token 0 forever; inf turns logits / temperature into 0s and NaNs.
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise EngineError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN and inf fail this too
             raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise EngineError(f"top_k must be >= 0, got {self.top_k}")

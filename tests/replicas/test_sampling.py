@@ -162,6 +162,19 @@ def test_table_gathers_the_rows_of_admitted_slots():
     assert table.gather([0, 1], torch.tensor([0, 1])).all_greedy
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("temperature", float("nan"), "temperature must be a finite number >= 0, got nan"),
+    ("temperature", float("inf"), "temperature must be a finite number >= 0, got inf"),
+    ("temperature", -1.0, "temperature must be a finite number >= 0, got -1.0"),
+    ("top_p", float("nan"), r"top_p must be in \(0, 1\], got nan"),
+    ("top_p", float("inf"), r"top_p must be in \(0, 1\], got inf"),
+])
+def test_a_temperature_or_top_p_that_is_not_a_finite_number_in_range_is_refused(field, value, message):
+    """NaN compares false with everything, so `temperature < 0` let it through, to sample token 0 forever."""
+    with pytest.raises(EngineError, match=f"^{message}$"):
+        SamplingParams(**{field: value})
+
+
 def test_a_seed_is_a_64_bit_integer_on_every_tier():
     """The range SGLang's sampling_seed takes (test_sglang_api.py), refused up front for every tier."""
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
