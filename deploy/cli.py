@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--api-key", default=None, help="bearer key for a server with auth on")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object: prompt and generated ids, text, per-step ms")
+                     help="print one JSON object instead of the stream: the text and finish reason; with "
+                     "--model also the prompt and generated ids and per-step ms; with --url the tier, the token "
+                     "count and latencies")
 
     bench = commands.add_parser("bench", help="benchmark engines side by side on the GPU",
                                 add_help=False)

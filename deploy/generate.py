@@ -146,7 +146,8 @@ def _stream_from_server(args: argparse.Namespace, url: str) -> int:
     )
     started = time.perf_counter()
     arrivals: list[float] = []
-    usage = timing = None
+    pieces: list[str] = []
+    usage = timing = finish_reason = None
     done = False
     with urllib.request.urlopen(request) as response:
         tier = response.headers.get("x-megaserve-tier", "?")
@@ -165,9 +166,11 @@ def _stream_from_server(args: argparse.Namespace, url: str) -> int:
             usage = chunk.get("usage") or usage
             timing = chunk.get("timing") or timing  # the router's extension, with usage
             for choice in chunk.get("choices", []):
+                finish_reason = choice.get("finish_reason") or finish_reason
                 piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                 if piece:
                     arrivals.append(time.perf_counter())
+                    pieces.append(piece)
                     if not args.json:
                         print(piece, end="", flush=True)
     if not done:
@@ -177,10 +180,13 @@ def _stream_from_server(args: argparse.Namespace, url: str) -> int:
     ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")
     per_token = (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1) * 1e3 if arrivals else float("nan")
     step = (timing or {}).get("mean_step_seconds")
-    summary = {"tier": tier, "completion_tokens": tokens, "ttft_ms": round(ttft, 2),
+    summary = {"tier": tier, "finish_reason": finish_reason, "completion_tokens": tokens, "ttft_ms": round(ttft, 2),
                "ms_per_token_client": round(per_token, 3), "total_s": round(total, 3),
                "engine_step_ms": None if step is None else round(step * 1e3, 3)}
-    print(json.dumps(summary) if args.json else f"\n{summary}", file=sys.stdout if args.json else sys.stderr)
+    if args.json:
+        print(json.dumps({**summary, "text": "".join(pieces)}))
+    else:  # the text is on the screen already
+        print(f"\n{summary}", file=sys.stderr)
     return 0
 
 

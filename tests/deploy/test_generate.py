@@ -159,6 +159,32 @@ def test_a_stream_that_fails_after_its_200_is_an_error():
     assert "failed mid-stream: the replica died" in error
 
 
+class StreamingHandler(FailingStreamHandler):
+    """A server that streams a two-piece chat answer as the router does, the usage chunk last."""
+
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}]
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in self.chunks)
+        self._send(200, "text/event-stream", events + "data: [DONE]\n\n")
+
+
+def test_against_a_server_the_json_has_the_text_and_finish_reason():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StreamingHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = _generate("hi", "--url", f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert result["text"] == "Hello" and result["finish_reason"] == "length"
+    assert result["completion_tokens"] == 2
+
+
 class BrokenServerHandler(http.server.BaseHTTPRequestHandler):
     """A server that answers 200 with something else than the OpenAI API: its path picks what."""
 
@@ -232,6 +258,6 @@ def test_against_the_server_reports_the_tier(live_stack):
     result = _generate("hi", "--url", live_stack.base_url, "--tier", "latency", "--max-tokens", "5",
                        "--ignore-eos")
     assert result["tier"] == "latency"
-    assert result["completion_tokens"] == 5
+    assert result["completion_tokens"] == 5 and result["finish_reason"] == "length"
     assert result["ttft_ms"] > 0
     assert result["engine_step_ms"] > 0  # the replica's own step time, reported by the router
