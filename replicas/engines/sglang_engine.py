@@ -108,7 +108,7 @@ OWNED_ARGS = (
     "mem_fraction_static", "skip_tokenizer_init",
 )
 INCREMENTAL_ARG = "incremental_streaming_output"
-TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k"
+TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k": its TOP_K_ALL, the whole vocabulary
 FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 CONTEXT_MARGIN = 6  # SGLang's context_length beyond the engine's max_context (see the module's doc)
 # SGLang's switch for a context_length past its reading of the model's length
@@ -124,14 +124,17 @@ HEALTH_SAMPLING: dict[str, Any] = {"max_new_tokens": 1, "temperature": 0.0}
 HEALTH_TIMEOUT_SECONDS = 20.0
 
 
-def sglang_sampling_params(params: SamplingParams, eos_ids: Sequence[int] = ()) -> dict[str, Any]:
-    """SGLang's `sampling_params` dict for our SamplingParams and the model's end-of-sequence ids;
-    stop ids only where SGLang checks them (see `own_stop_ids`)."""
+def sglang_sampling_params(params: SamplingParams, vocab_size: int, eos_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """SGLang's `sampling_params` dict for our SamplingParams, the model's vocabulary size and its
+    end-of-sequence ids; stop ids only where SGLang checks them (see `own_stop_ids`)."""
+    # A top_k of the whole vocabulary or more keeps every token, which SGLang spells -1: it puts
+    # each row's top_k in an int32 tensor, which a client's top_k of 2**31 or more would overflow.
+    keeps_all = params.top_k == 0 or params.top_k >= vocab_size
     mapped: dict[str, Any] = {
         "max_new_tokens": params.max_tokens,
         "temperature": 0.0 if params.greedy else params.temperature,  # greedy rows are greedy on every tier
         "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else TOP_K_DISABLED,
+        "top_k": TOP_K_DISABLED if keeps_all else params.top_k,
         "ignore_eos": params.ignore_eos,
     }
     stop_ids = list(dict.fromkeys((*params.stop_token_ids, *eos_ids)))
@@ -330,8 +333,8 @@ class SGLangEngine(Engine):
         last = time.perf_counter()
         try:
             outputs = await self._runtime.async_generate(**generate_kwargs(
-                request.prompt_token_ids, sglang_sampling_params(request.sampling, self.eos_ids), rid,
-                request.priority))
+                request.prompt_token_ids, sglang_sampling_params(request.sampling, self.vocab_size, self.eos_ids),
+                rid, request.priority))
             async for output in outputs:
                 for probe in self._probes:
                     probe.set()

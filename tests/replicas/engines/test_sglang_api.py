@@ -38,6 +38,7 @@ ENGINE = "sglang.srt.entrypoints.engine"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
 SAMPLING = "sglang.srt.sampling.sampling_params"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
+SAMPLING_BATCH = "sglang.srt.sampling.sampling_batch_info"
 # ServerArgs fields the docs tell operators to put in throughput.sglang_args.
 DOCUMENTED_ARGS = ("enable_deterministic_inference", "chunked_prefill_size",
                    "enable_priority_scheduling")
@@ -59,7 +60,7 @@ def _every_launch_arg() -> dict[str, object]:
 
 def _every_sampling_param() -> dict[str, object]:
     return sglang_sampling_params(SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9, top_k=5, seed=1,
-                                                 stop_token_ids=(2,)))
+                                                 stop_token_ids=(2,)), vocab_size=32)
 
 
 def _assert_accepted(values: dict[str, object], fields: dict[str, ast.expr], where: str) -> None:
@@ -139,6 +140,15 @@ def test_minus_one_disables_top_k(sglang):
                 if isinstance(node, ast.Compare) and isinstance(node.ops[0], ast.Eq)
                 and ast.unparse(node.left) == "self.top_k"]
     assert TOP_K_DISABLED in compared
+
+
+def test_top_k_goes_into_an_int32_tensor_so_a_larger_one_is_sent_as_minus_one(sglang):
+    """Why sglang_sampling_params sends a top_k of the vocabulary or more as -1 (TOP_K_ALL, 2**30)."""
+    batch = sglang.method(sglang.cls(SAMPLING_BATCH, "SamplingBatchInfo"), "from_schedule_batch")
+    assert "torch.tensor([r.sampling_params.top_k for r in reqs], dtype=torch.int32" in ast.unparse(batch)
+    top_k_all = next(node.value for node in sglang.module(SAMPLING).body if isinstance(node, ast.Assign)
+                     and ast.unparse(node.targets[0]) == "TOP_K_ALL")
+    assert ast.unparse(top_k_all) == "1 << 30"
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])

@@ -19,6 +19,7 @@ from megaserve.replicas.engines import create_engine
 from megaserve.replicas.engines.sglang_engine import (
     CONTEXT_MARGIN,
     LONGER_CONTEXT_ENV,
+    TOP_K_DISABLED,
     OutputReader,
     SGLangEngine,
     engine_launch_args,
@@ -40,6 +41,7 @@ from megaserve.replicas.protocol import (
 from tests.replicas.engines.sglang_stand_in import StandInSGLang
 
 ONE_BY_ONE = CoalescePolicy(seconds=0.0, tokens=1)
+VOCAB = 512  # a vocabulary for the sampling-parameter mappings
 SHORT_HEALTH_TIMEOUT = 0.3
 _names = itertools.count()
 
@@ -47,7 +49,7 @@ _names = itertools.count()
 def test_sampling_params_map_to_sglang_names():
     params = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=40, seed=5,
                             stop_token_ids=(2, 7))
-    assert sglang_sampling_params(params) == {
+    assert sglang_sampling_params(params, VOCAB) == {
         "max_new_tokens": 32, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "ignore_eos": False,
         "stop_token_ids": [2, 7], "sampling_seed": 5,
     }
@@ -56,35 +58,42 @@ def test_sampling_params_map_to_sglang_names():
 
 def test_under_ignore_eos_the_engine_checks_the_stop_ids_not_sglang():
     params = SamplingParams(stop_token_ids=(2, 7), ignore_eos=True)
-    mapped = sglang_sampling_params(params)
+    mapped = sglang_sampling_params(params, VOCAB)
     assert mapped["ignore_eos"] is True and "stop_token_ids" not in mapped
     assert own_stop_ids(params) == {2, 7}
 
 
 def test_a_temperature_below_the_greedy_threshold_is_sent_as_greedy():
-    assert sglang_sampling_params(SamplingParams(temperature=1e-30))["temperature"] == 0.0
-    assert sglang_sampling_params(SamplingParams(temperature=1e-4))["temperature"] == 1e-4
+    assert sglang_sampling_params(SamplingParams(temperature=1e-30), VOCAB)["temperature"] == 0.0
+    assert sglang_sampling_params(SamplingParams(temperature=1e-4), VOCAB)["temperature"] == 1e-4
 
 
 def test_defaults_disable_top_k_and_leave_out_unset_fields():
-    mapped = sglang_sampling_params(SamplingParams(temperature=0.0))
+    mapped = sglang_sampling_params(SamplingParams(temperature=0.0), VOCAB)
     assert mapped["top_k"] == -1 and mapped["temperature"] == 0.0
     assert "stop_token_ids" not in mapped and "sampling_seed" not in mapped
 
 
+def test_a_top_k_of_the_whole_vocabulary_or_more_is_sent_as_sglang_s_no_top_k():
+    """SGLang keeps each row's top_k in an int32 tensor: a client's top_k of 2**31 would not fit there."""
+    assert sglang_sampling_params(SamplingParams(top_k=VOCAB - 1), VOCAB)["top_k"] == VOCAB - 1
+    for top_k in (VOCAB, VOCAB + 1, 2**31, 2**70):
+        assert sglang_sampling_params(SamplingParams(top_k=top_k), VOCAB)["top_k"] == TOP_K_DISABLED == -1
+
+
 def test_the_model_s_eos_ids_are_sent_as_stop_ids_unless_ignore_eos():
     """SGLang with skip_tokenizer_init never learns the tokenizer's eos_token: it is sent with the rest."""
-    mapped = sglang_sampling_params(SamplingParams(stop_token_ids=(7, 2)), eos_ids=(2, 9))
+    mapped = sglang_sampling_params(SamplingParams(stop_token_ids=(7, 2)), VOCAB, eos_ids=(2, 9))
     assert mapped["stop_token_ids"] == [7, 2, 9]
-    assert sglang_sampling_params(SamplingParams(), eos_ids=(9,))["stop_token_ids"] == [9]
-    assert "stop_token_ids" not in sglang_sampling_params(SamplingParams(ignore_eos=True), eos_ids=(9,))
+    assert sglang_sampling_params(SamplingParams(), VOCAB, eos_ids=(9,))["stop_token_ids"] == [9]
+    assert "stop_token_ids" not in sglang_sampling_params(SamplingParams(ignore_eos=True), VOCAB, eos_ids=(9,))
 
 
 def test_an_unseeded_sampled_request_gets_a_random_seed():
     """SGLang's deterministic mode would give every unseeded request the seed 42 (test_sglang_api.py)."""
-    seeds = {sglang_sampling_params(SamplingParams(temperature=0.8))["sampling_seed"] for _ in range(8)}
+    seeds = {sglang_sampling_params(SamplingParams(temperature=0.8), VOCAB)["sampling_seed"] for _ in range(8)}
     assert len(seeds) == 8 and all(0 <= seed < 2**63 for seed in seeds)
-    assert sglang_sampling_params(SamplingParams(temperature=0.8, seed=-3))["sampling_seed"] == -3
+    assert sglang_sampling_params(SamplingParams(temperature=0.8, seed=-3), VOCAB)["sampling_seed"] == -3
 
 
 def test_launch_args_layer_defaults_caller_and_owned_settings():
