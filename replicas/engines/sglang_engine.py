@@ -46,8 +46,11 @@ processes inherit it), so that SGLang starts with that context_length: it would 
 own reading of the model's length (`get_context_length`: other config keys first, rope factors),
 where that reserve, or the tier's context itself, passes it. The context is the engine's, as on
 every tier, and no request reaches a position past max_position_embeddings. A KV pool smaller than
-that context lowers SGLang's limit, which the engine reads once SGLang has started and keeps to
-(`max_context`), so that such a request is refused at the call, not cut short.
+that context lowers SGLang's limit (its max_req_input_len; SGLang only warns), which the engine
+reads once SGLang has started: below `max_context`, the engine stops SGLang and fails to start,
+naming the numbers and the fixes, as vLLM refuses a max_model_len its KV cache cannot hold. Serving
+less instead would go unseen by the router, which sizes a chat request without max_tokens to the
+whole context: each such request would be refused for a parameter its client never sent.
 
 Timing: SGLang does not stream per-step durations. Each chunk's tokens get the time since the
 previous chunk, split evenly; these are the values recorded as the prefill and decode step
@@ -280,9 +283,10 @@ class SGLangEngine(Engine):
     ) -> None:
         """`max_seq` (capped by the model) becomes SGLang's context_length, `max_batch` its
         max_running_requests, `mem_fraction_static` (None: SGLang's own sizing) the share of each
-        GPU's memory SGLang takes for weights and its KV pool; `engine_args` are further `ServerArgs`
-        fields. `launch` starts SGLang from the launch arguments: `sglang.Engine` unless given
-        (tests pass a stand-in)."""
+        GPU's memory SGLang takes for weights and its KV pool, which must hold the whole context (a
+        ValueError says so otherwise); `engine_args` are further `ServerArgs` fields. `launch`
+        starts SGLang from the launch arguments: `sglang.Engine` unless given (tests pass a
+        stand-in)."""
         launch = launch or _sglang_engine_class()
         hf_config = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
         self.vocab_size, self.max_context = model_limits(hf_config, max_seq)
@@ -299,9 +303,18 @@ class SGLangEngine(Engine):
         )
         self._incremental = bool(self.launch_args.get(INCREMENTAL_ARG, False))
         self._runtime = launch(**self.launch_args)
-        # SGLang's own limit once started: its KV pool may hold less than the context (it warns).
-        # Prompts under max_req_input_len run to max_tokens within it (the module doc's arithmetic).
-        self.max_context = min(self.max_context, self._runtime.tokenizer_manager.max_req_input_len)
+        # With the whole context in the KV pool, SGLang's limit is max_context (the module doc's
+        # arithmetic); a pool that holds less lowers it.
+        served = self._runtime.tokenizer_manager.max_req_input_len
+        if served < self.max_context:
+            self._runtime.shutdown()  # its processes have started and hold the GPUs
+            fraction = self.launch_args.get("mem_fraction_static", "unset: SGLang's own sizing")
+            raise ValueError(
+                f"SGLang's KV cache holds too few tokens for the context of {self.max_context}: the longest "
+                f"request SGLang serves is {served} tokens (its max_req_input_len). Raise mem_fraction_static "
+                f"(throughput.sglang_mem_fraction_static; now {fraction}), or lower max_seq "
+                f"(throughput.max_seq_len, and model.max_context where it is set) to {served} or less"
+            )
         self._active: dict[str, tuple[TokenStream, asyncio.Task]] = {}  # rid -> its stream and pump
         self._probes: set[asyncio.Event] = set()  # set by every SGLang output: liveness for health
         self._closed = False

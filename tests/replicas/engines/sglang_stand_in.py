@@ -12,12 +12,13 @@ streaming the last one again (test_sglang_api.py checks that against the source)
 "prefill_finished_time" once they have happened; `queue_seconds` is a wait in its queue before the
 first forward. It refuses a context_length past the model's positions unless SGLang's
 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set, applies SGLang's length limits to the launch's
-context_length (`max_req_len`: at most max_req_len - prompt - 1 new tokens, prompts of max_req_len -
-5 tokens or more aborted), and keeps each request's entry in the tokenizer manager's
-`rid_to_state` until it ends, except a health probe's that it aborts (SGLang's `_handle_abort_req`
-returns early for those). Its "model"
-continues a prompt ending in t with t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's
-rule (`stops_on`).
+context_length and its KV pool (`max_req_len`, the smaller of context_length and `kv_tokens`, less
+one: at most max_req_len - prompt - 1 new tokens, prompts of max_req_len - 5 tokens or more aborted;
+max_req_len - 5 is the tokenizer manager's max_req_input_len, as SGLang's), and keeps each
+request's entry in the tokenizer manager's `rid_to_state` until it ends, except a health probe's
+that it aborts (SGLang's `_handle_abort_req` returns early for those). Its "model" continues a
+prompt ending in t with t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's rule
+(`stops_on`).
 """
 
 from __future__ import annotations

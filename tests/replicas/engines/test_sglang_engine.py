@@ -287,17 +287,36 @@ async def test_every_request_the_engine_accepts_runs_to_max_tokens_within_sglang
         engine.generate(_request((5,) * context, max_tokens=1))
 
 
-async def test_a_kv_pool_smaller_than_the_context_lowers_the_engine_s_context(make_sglang, monkeypatch):
-    """SGLang caps max_req_len by its KV pool once started: the engine keeps to that, refusing at
-    the call what SGLang would abort or cut short."""
+@pytest.mark.parametrize("mem_fraction_static, shown", [(0.8, "now 0.8"), (None, "now unset: SGLang's own sizing")])
+async def test_a_kv_pool_smaller_than_the_context_fails_the_start_saying_what_to_change(
+        tiny_model_dir, monkeypatch, mem_fraction_static, shown):
+    """As vLLM refuses a max_model_len its KV cache cannot hold: serving less would go unseen by the
+    router, which sizes a chat request without max_tokens to the whole context."""
+    monkeypatch.setenv(LONGER_CONTEXT_ENV, "0")
     monkeypatch.setattr(StandInSGLang, "kv_tokens", 40)
+    started: list[StandInSGLang] = []
+
+    def launch(**launch_args) -> StandInSGLang:
+        started.append(StandInSGLang(**launch_args))
+        return started[-1]
+
+    expected = (r"^SGLang's KV cache holds too few tokens for the context of 64: the longest request SGLang serves "
+                r"is 34 tokens \(its max_req_input_len\)\. Raise mem_fraction_static "
+                rf"\(throughput\.sglang_mem_fraction_static; {shown}\), or lower max_seq \(throughput\.max_seq_len, "
+                r"and model\.max_context where it is set\) to 34 or less$")
+    with pytest.raises(ValueError, match=expected):
+        SGLangEngine(tiny_model_dir, max_seq=64, mem_fraction_static=mem_fraction_static, launch=launch)
+    assert started[0].tokenizer_manager.max_req_input_len == 40 - 1 - 5
+    assert started[0].shut_down  # SGLang's processes do not outlive the failed start
+
+
+async def test_a_kv_pool_that_holds_the_whole_context_and_the_margin_serves_it(make_sglang, monkeypatch):
+    monkeypatch.setattr(StandInSGLang, "kv_tokens", 64 + CONTEXT_MARGIN)
     engine, sglang = make_sglang(max_seq=64)
-    assert engine.max_context == 40 - 1 - 5 == sglang.tokenizer_manager.max_req_input_len
-    items = [item async for item in engine.generate(_request((5,) * 20, max_tokens=engine.max_context - 20))]
+    assert engine.max_context == 64 == sglang.tokenizer_manager.max_req_input_len
+    items = [item async for item in engine.generate(_request((5,) * 20, max_tokens=64 - 20))]
     assert items[-1].finish_reason == FinishReason.LENGTH
-    assert sum(len(item.token_ids) for item in items) == engine.max_context - 20
-    with pytest.raises(EngineError, match="context"):
-        engine.generate(_request((5,) * 20, max_tokens=engine.max_context - 19))
+    assert sum(len(item.token_ids) for item in items) == 64 - 20
 
 
 @pytest.mark.parametrize("incremental", [False, True])
