@@ -86,6 +86,28 @@ def _say(message: str) -> None:
     print(f"megaserve: {message}", flush=True)
 
 
+def refuse_incomplete_model_dirs(app_configs: list[AppConfig]) -> None:
+    """Refuse a model.path that cannot be served before Ray starts: every replica would fail to
+    start on it, each with its own traceback. `megaserve up` runs one node, so the path is here."""
+    from megaserve.replicas.models.checkpoint import CheckpointError, open_checkpoint
+    from megaserve.replicas.protocol import CONFIG_FILE, TOKENIZER_FILE
+
+    for app in app_configs:
+        path = app.model.path
+        if path is None:
+            continue
+        if not Path(path).is_dir():
+            raise ValueError(f"model.path {path} is not a directory")
+        problems = [f"no {name}" for name in (CONFIG_FILE, TOKENIZER_FILE) if not Path(path, name).is_file()]
+        try:
+            with open_checkpoint(path):  # reads each safetensors file's header, no tensor
+                pass
+        except (OSError, CheckpointError) as error:
+            problems.append(str(error))
+        if problems:
+            raise ValueError(f"model.path {path} is not a complete model folder: {'; '.join(problems)}")
+
+
 def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
     """Fresh metrics folders (counters restart with the cluster) and the demo model, made once
     here rather than raced by every replica."""
@@ -131,6 +153,7 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         for app_config in app_configs:
             if app_config.metrics.port == http["port"]:
                 raise ValueError(f"metrics.port {app_config.metrics.port} is the HTTP port too; give it another")
+        refuse_incomplete_model_dirs(app_configs)
         _prepare_node(app_configs, env)
     except (OSError, ValueError, yaml.YAMLError) as error:
         print(f"megaserve up: {error}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`megaserve up` refuses a bad Serve config or argument in one message, before Ray starts."""
+"""`megaserve up` refuses a bad Serve config, argument or model folder in one message, before Ray starts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import sys
 
 import pytest
 import yaml
+
+from megaserve.deploy.config import AppConfig
+from megaserve.deploy.local import refuse_incomplete_model_dirs
+from tests.model_factory import make_tiny_model
 
 BUILDER = "megaserve.deploy.builder:build_app"
 
@@ -58,6 +62,37 @@ def test_a_metrics_folder_that_cannot_be_made_is_one_message(tmp_path):
     assert done.returncode == 2
     assert "File exists" in done.stderr and "Traceback" not in done.stderr
     assert "starting Ray" not in done.stdout
+
+
+def test_a_model_path_without_a_model_is_one_message_naming_what_is_missing(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"applications": [{"import_path": BUILDER,
+                                                      "args": {"model": {"path": str(empty)}}}]}))
+    done = _up(path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert (f"model.path {empty} is not a complete model folder: no config.json; no tokenizer.json; "
+            f"no model.safetensors or model.safetensors.index.json in {empty}") in done.stderr
+    assert "starting Ray" not in done.stdout
+
+
+def _app_serving(model_path) -> AppConfig:
+    return AppConfig.model_validate({"model": {"path": str(model_path)}})
+
+
+def test_an_incomplete_model_path_is_refused_by_what_it_lacks(tmp_path):
+    model = make_tiny_model(tmp_path / "model", max_shard_size="100KB")
+    refuse_incomplete_model_dirs([_app_serving(model)])  # complete: nothing to refuse
+    (model / "tokenizer.json").unlink()
+    shard = sorted(model.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"model.path {model} is not a complete model folder: no tokenizer.json; "
+                                         f"model.safetensors.index.json in {model} names {shard.name}, which does not "
+                                         "exist"):
+        refuse_incomplete_model_dirs([_app_serving(model)])
+    with pytest.raises(ValueError, match=f"model.path {tmp_path / 'nothing-here'} is not a directory"):
+        refuse_incomplete_model_dirs([_app_serving(tmp_path / "nothing-here")])
 
 
 @pytest.mark.parametrize(("argv", "message"), [
