@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import NamedTuple
 
-from megaserve.replicas.protocol import EngineError, Tier
+from megaserve.replicas.protocol import EngineDeadError, EngineError, Tier
 from megaserve.router.errors import SERVER_ERROR, APIError
 from megaserve.router.generation import Delta, Generation, GenerationFailed
 from megaserve.router.openai_schema import (
@@ -109,7 +109,7 @@ class ResponseBuilder:
                 yield self._delta_chunk(first, chunk_usage)
                 async for delta in rest:
                     yield self._delta_chunk(delta, chunk_usage)
-            except (APIError, EngineError, GenerationFailed) as error:
+            except (APIError, EngineError, EngineDeadError, GenerationFailed) as error:
                 message = error.message if isinstance(error, APIError) else f"generation failed: {error}"
                 yield _error_event(message)
                 return

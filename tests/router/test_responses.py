@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 import httpx
 import pytest
 
-from megaserve.replicas.protocol import FinishReason, GenerateRequest, StepOutput, Tier
+from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier
 
 from .conftest import MODEL
 
@@ -27,6 +27,8 @@ class BackendFailingAfterOneToken:
         yield StepOutput([5], [STEP_SECONDS])
         if self.failure == "reported":
             yield StepOutput([], [], FinishReason.ABORT, error="CUDA error: an illegal memory access")
+        if self.failure == "dead engine":  # the engine died after this choice began (another choice failed it)
+            raise EngineDeadError("engine step failed: RuntimeError: CUDA error: an illegal memory access")
         raise KeyError("an unexpected failure")
 
     async def healthy_replicas(self) -> int:
@@ -35,6 +37,7 @@ class BackendFailingAfterOneToken:
 
 @pytest.mark.parametrize(("failure", "message"), [
     ("reported", "generation failed: CUDA error: an illegal memory access"),
+    ("dead engine", "generation failed: engine step failed: RuntimeError: CUDA error: an illegal memory access"),
     ("unexpected", "internal error: KeyError"),
 ])
 def test_a_failure_mid_stream_is_an_error_event_then_done(serve_router, failure, message):
