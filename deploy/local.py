@@ -7,9 +7,11 @@ with one replica of each tier on 127.0.0.1:8000. Ray's token authentication stay
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -108,6 +110,20 @@ def refuse_incomplete_model_dirs(app_configs: list[AppConfig]) -> None:
             raise ValueError(f"model.path {path} is not a complete model folder: {'; '.join(problems)}")
 
 
+def refuse_a_taken_http_port(host: str, port: int) -> None:
+    """Refuse an HTTP address that Serve's proxy could not listen on before Ray starts, not after
+    (serve.start would raise the proxy's failure, with tracebacks). The probe binds as Serve's proxy
+    does (no SO_REUSEADDR), so that its answer is the proxy's."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ValueError(f"the HTTP port {port} on {host} is in use; stop what holds it or give "
+                                 f"another (--port or http_options.port)") from None
+            raise ValueError(f"cannot listen on the HTTP address {host}:{port}: {error.strerror or error}") from None
+
+
 def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
     """Fresh metrics folders (counters restart with the cluster) and the demo model, made once
     here rather than raced by every replica."""
@@ -153,6 +169,8 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         for app_config in app_configs:
             if app_config.metrics.port == http["port"]:
                 raise ValueError(f"metrics.port {app_config.metrics.port} is the HTTP port too; give it another")
+        if config.get("proxy_location") != "Disabled":  # no proxy, nothing listens on the port
+            refuse_a_taken_http_port(http["host"], http["port"])
         refuse_incomplete_model_dirs(app_configs)
         _prepare_node(app_configs, env)
     except (OSError, ValueError, yaml.YAMLError) as error:
@@ -171,7 +189,11 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _say("starting Serve")
     try:
-        serve.start(http_options=http, proxy_location=config.get("proxy_location"))
+        try:
+            serve.start(http_options=http, proxy_location=config.get("proxy_location"))
+        except Exception as error:  # noqa: BLE001 - e.g. the port taken since it was checked: say so, exit 1
+            _say(f"starting Serve failed: {getattr(error, 'cause', error)}")  # a RayTaskError's own error
+            return 1
         names = [app.get("name", "default") for app in applications]
         try:  # submitted, not awaited: this thread watches them come up and can stop at once
             serve.run_many([serve.RunTarget(target=_builder(app)(app_config), name=name,

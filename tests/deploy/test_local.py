@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -74,6 +75,20 @@ def test_a_model_path_without_a_model_is_one_message_naming_what_is_missing(tmp_
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert (f"model.path {empty} is not a complete model folder: no config.json; no tokenizer.json; "
             f"no model.safetensors or model.safetensors.index.json in {empty}") in done.stderr
+    assert "starting Ray" not in done.stdout
+
+
+def test_an_http_port_in_use_is_one_message(tmp_path):
+    with socket.socket() as holder:  # another server, listening on the port
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        path = tmp_path / "serve.yaml"
+        path.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port},
+                                        "applications": [{"import_path": BUILDER}]}))
+        done = _up(path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"megaserve up: the HTTP port {port} on 127.0.0.1 is in use" in done.stderr
     assert "starting Ray" not in done.stdout
 
 
