@@ -272,7 +272,7 @@ class _Router:
             if body.stream:
                 first = await unless_disconnected(request.receive, anext(events))
                 stream = answer.sse(first, events, n, body.include_usage, body.continuous_usage)
-                response = EventStreamResponse(stream, headers, on_close=lease.release)
+                response = EventStreamResponse(stream, headers, on_close=lease.release, source=events)
                 lease = None  # the response releases it when the stream ends
                 return response
             deltas = await unless_disconnected(request.receive, _collect(events))

@@ -64,7 +64,9 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T],
 
 class EventStreamResponse(Response):
     """`text/event-stream` of `events`; they are closed the moment the client disconnects, and
-    `on_close` runs once, whichever way the stream ends."""
+    `on_close` runs once, whichever way the stream ends. `source`, the generator that `events`
+    reads, is closed after them: closing a generator that never started runs none of its code, so a
+    client gone before the first event would otherwise leave the replica stream open."""
 
     media_type = "text/event-stream"
 
@@ -73,8 +75,10 @@ class EventStreamResponse(Response):
         events: AsyncGenerator[bytes, None],
         headers: Mapping[str, str],
         on_close: Callable[[], None],
+        source: AsyncGenerator | None = None,
     ) -> None:
         self.events = events
+        self.source = source
         self.on_close = on_close
         self.status_code = 200
         self.background = None
@@ -90,6 +94,8 @@ class EventStreamResponse(Response):
             try:
                 with anyio.CancelScope(shield=True):
                     await self.events.aclose()
+                    if self.source is not None:
+                        await self.source.aclose()
             finally:  # the slot goes back even if closing the backend stream raised
                 self.on_close()
 

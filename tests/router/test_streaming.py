@@ -1,5 +1,6 @@
 """unless_disconnected: the work's result, or its cancellation when the client leaves, and never a
-result lost in between (a lease that nobody would release would hold a tier's slot for good)."""
+result lost in between (a lease that nobody would release would hold a tier's slot for good); an
+event stream closes what it reads from however early the client leaves."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from megaserve.replicas.protocol import Tier
 from megaserve.router.policy import Lease, Route, TierSlots
-from megaserve.router.streaming import ClientDisconnected, unless_disconnected
+from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
 
 DISCONNECT = {"type": "http.disconnect"}
 
@@ -22,6 +23,11 @@ def _client(leaves: asyncio.Event):
         return DISCONNECT
 
     return receive
+
+
+async def _gone():
+    """An ASGI receive channel of a client that has left already."""
+    return DISCONNECT
 
 
 def _granted_lease(slots: TierSlots) -> Lease:
@@ -80,3 +86,28 @@ async def test_work_that_finishes_instead_of_stopping_has_its_result_discarded()
     with pytest.raises(ClientDisconnected):
         await waiting
     assert slots.in_flight == 0
+
+
+async def test_a_client_gone_before_the_first_event_has_the_source_stream_closed():
+    source_closed, released = asyncio.Event(), []
+
+    async def replica_stream():
+        try:
+            while True:
+                yield b"data: {}\n\n"
+                await asyncio.sleep(0.01)
+        finally:
+            source_closed.set()
+
+    async def sse(source):  # like ResponseBuilder.sse: it reads the source only once iterated
+        async for event in source:
+            yield event
+
+    async def send_that_yields(message):  # a server whose send lets the disconnect be seen first
+        await asyncio.sleep(0)
+
+    source = replica_stream()
+    await anext(source)  # the router awaits the first token before it answers
+    response = EventStreamResponse(sse(source), {}, on_close=lambda: released.append(True), source=source)
+    await response(scope={}, receive=_gone, send=send_that_yields)
+    assert source_closed.is_set() and released == [True]
