@@ -169,9 +169,9 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         for app_config in app_configs:
             if app_config.metrics.port == http["port"]:
                 raise ValueError(f"metrics.port {app_config.metrics.port} is the HTTP port too; give it another")
+        refuse_incomplete_model_dirs(app_configs)
         if config.get("proxy_location") != "Disabled":  # no proxy, nothing listens on the port
             refuse_a_taken_http_port(http["host"], http["port"])
-        refuse_incomplete_model_dirs(app_configs)
         _prepare_node(app_configs, env)
     except (OSError, ValueError, yaml.YAMLError) as error:
         print(f"megaserve up: {error}", file=sys.stderr)

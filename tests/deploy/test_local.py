@@ -11,6 +11,7 @@ import yaml
 
 from megaserve.deploy.config import AppConfig
 from megaserve.deploy.local import refuse_incomplete_model_dirs
+from tests.live import free_port
 from tests.model_factory import make_tiny_model
 
 BUILDER = "megaserve.deploy.builder:build_app"
@@ -57,7 +58,8 @@ def test_a_metrics_folder_that_cannot_be_made_is_one_message(tmp_path):
     taken = tmp_path / "a-file"
     taken.write_text("")
     path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump({"applications": [{"import_path": BUILDER,
+    path.write_text(yaml.safe_dump({"http_options": {"port": free_port()},  # checked before the folder
+                                    "applications": [{"import_path": BUILDER,
                                                       "args": {"metrics": {"multiproc_dir": str(taken)}}}]}))
     done = _up(path)
     assert done.returncode == 2
