@@ -86,8 +86,10 @@ LATENCY_SLOS = (DECODE_STEP_SLO, TTFT_SLO)
 SPILLOVER_RATIO = 0.1
 SPILLOVER_WINDOW = "10m"
 SPILLOVER_HOLD = "15m"
-# Ray Serve's `serve_deployment_status` values (ray/serve/_private/deployment_state.py).
+# Ray Serve's `serve_deployment_status` values (ray/serve/_private/deployment_state.py) and
+# `serve_application_status` values (ApplicationStatus.to_numeric, ray/serve/schema.py).
 DEPLOYMENT_FAILED, DEPLOYMENT_UNHEALTHY = 1, 2
+APPLICATION_DEPLOY_FAILED, APPLICATION_UNHEALTHY = 1, 2
 REPLICA_HOLD = "2m"
 # Serve replaces a replica after this many failed health checks in a row
 # (REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD in ray/serve/_private/constants.py).
@@ -192,6 +194,20 @@ def _replica_alerts() -> list[dict]:
                 "summary": "A Ray Serve deployment is unhealthy or failed to deploy",
                 "description": "{{ $labels.application }}/{{ $labels.deployment }} reports "
                 "status {{ $value }} (1 deploy failed, 2 unhealthy).",
+                },
+        },
+        {
+            # An app whose build raised (a model.path with no model, an empty MEGASERVE_API_KEYS) has
+            # no deployments, so none of the deployment rules above has a series to fire on.
+            "alert": "MegaserveApplicationUnhealthy",
+            "expr": f"ray_serve_application_status >= {APPLICATION_DEPLOY_FAILED} "
+                    f"<= {APPLICATION_UNHEALTHY}\n",
+            "for": REPLICA_HOLD,
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "A Ray Serve application failed to deploy or is unhealthy",
+                "description": "{{ $labels.application }} reports status {{ $value }} (1 deploy failed, 2 "
+                "unhealthy): `serve status` gives the reason, e.g. the error that its build raised.",
                 },
         },
         {

@@ -43,11 +43,18 @@ def test_every_alert_has_a_severity_and_a_summary():
     assert {r["alert"] for r in rules} >= {
         "MegaserveLatencyTierStepSLOBurn", "MegaserveLatencyTierTTFTSLOBurn",
         "MegaserveLatencySpillover", "MegaserveReplicasFailingHealthChecks", "MegaserveReplicasBelowTarget",
-        "MegaserveDeploymentUnhealthy", "MegaserveMetricsTargetDown",
+        "MegaserveDeploymentUnhealthy", "MegaserveApplicationUnhealthy", "MegaserveMetricsTargetDown",
     }
     for rule in rules:
         assert rule["labels"]["severity"] in ("page", "ticket"), rule["alert"]
         assert rule["annotations"]["summary"], rule["alert"]
+
+
+def test_the_status_values_are_ray_serve_s():
+    from ray.serve.schema import ApplicationStatus
+
+    assert ApplicationStatus.DEPLOY_FAILED.to_numeric() == alerts.APPLICATION_DEPLOY_FAILED
+    assert ApplicationStatus.UNHEALTHY.to_numeric() == alerts.APPLICATION_UNHEALTHY
 
 
 def test_an_slo_threshold_must_be_a_bucket_edge():
