@@ -1,5 +1,5 @@
-"""The router's counters exist at zero for every label set from the start, so that Prometheus'
-rate() and increase() count their first increments."""
+"""The router's counters and histograms exist at zero for every label set from the start, so that
+Prometheus' rate() and increase() count their first increments and observations."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ from megaserve.monitoring.metrics import (
     FINISH_REASONS,
     FINISHED_REQUESTS,
     GENERATION_TOKENS,
+    INTER_TOKEN_LATENCY,
     PROMPT_TOKENS,
     REJECTED_REQUESTS,
     REJECTION_REASONS,
     ROUTE_REASONS,
     ROUTED_REQUESTS,
+    REQUEST_DURATION,
+    TIME_TO_FIRST_TOKEN,
     start_router_series,
 )
 
@@ -37,6 +40,14 @@ def test_every_label_set_of_the_router_counters_starts_at_zero():
         totals = _totals(counter)
         assert set(totals) == {tuple(sorted((labels | {"model": MODEL}).items())) for labels in label_sets}
         assert set(totals.values()) == {0.0}
+
+
+def test_every_label_set_of_the_router_histograms_starts_at_zero():
+    start_router_series(MODEL, TIERS)
+    for histogram in (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_DURATION):
+        counts = {s.labels["tier"]: s.value for m in histogram.collect() for s in m.samples
+                  if s.name.endswith("_count") and s.labels.get("model") == MODEL}
+        assert counts == {tier: 0.0 for tier in TIERS}, histogram
 
 
 def test_the_label_values_are_every_one_the_router_uses():
