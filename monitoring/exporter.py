@@ -15,7 +15,7 @@ minutes: with `--outlive-processes-in /proc` (the pod's shared PID namespace), t
 SIGTERM or SIGINT by serving on until every process that recorded into the folder has exited, then
 for `--linger-seconds` more (a scrape interval, so that their last values are scraped), and exits 0.
 Other processes of the pod (a service mesh's sidecars, which Kubernetes may stop last) do not hold
-it up.
+it up. Without that flag, SIGTERM or SIGINT (Ctrl-C) stops it at once, and it exits 0 as well.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ PROG = "python -m megaserve.monitoring.exporter"
 RETRY_SECONDS = 5.0  # how soon a waiting process takes a freed port over
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the recording processes are gone
+STOP_CHECK_SECONDS = 0.2  # how soon a stop signal (or a port it can never bind) ends the serving
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+?_(\d+)\.db$")
 _RECORDER_FILE = re.compile(r"^\w+?_(\d+)\.db$")  # prometheus_client's "<kind>_<pid>.db", one per process
 
@@ -157,9 +158,10 @@ def recording_processes(folder: str, proc_root: str, own_pid: int) -> list[int]:
     return sorted(pid for pid in pids if _running_in(proc_root, pid))
 
 
-def _serve_until_stopped_and_alone(host: str, port: int, proc_root: str, linger_seconds: float) -> int:
+def _serve_until_stopped(host: str, port: int, proc_root: str | None, linger_seconds: float) -> int:
     # A plain flag, polled: a handler that set a threading.Event could deadlock on the Event's lock,
-    # which the main thread holds inside Event.wait when the signal lands.
+    # which the main thread holds inside Event.wait when the signal lands. Handling SIGINT too (rather
+    # than Python's KeyboardInterrupt) makes Ctrl-C a clean stop, not a traceback from wherever it lands.
     stop_requested: list[int] = []
     for signum in STOP_SIGNALS:  # before serving: a stop that comes once the port answers is not lost
         signal.signal(signum, lambda received, _frame: stop_requested.append(received))
@@ -168,7 +170,9 @@ def _serve_until_stopped_and_alone(host: str, port: int, proc_root: str, linger_
     while not stop_requested:
         if not serving.is_alive():
             return 1  # the port can never be bound (logged)
-        time.sleep(OUTLIVE_CHECK_SECONDS)
+        time.sleep(STOP_CHECK_SECONDS)
+    if proc_root is None:  # no --outlive-processes-in: nothing to wait for
+        return 0
     folder = multiprocess_dir()
     log.info("stopping once the processes recording into %s have exited (as %s shows them)", folder, proc_root)
     # The Ray container drains its replicas for minutes, and they record metrics until they exit.
@@ -203,11 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     os.makedirs(folder, exist_ok=True)
-    if args.outlive_processes_in is not None:
-        return _serve_until_stopped_and_alone(args.host, args.port, args.outlive_processes_in,
-                                              args.linger_seconds)
-    _serve_forever(args.host, args.port, RETRY_SECONDS)
-    return 1  # it returns only when the port can never be bound (logged)
+    return _serve_until_stopped(args.host, args.port, args.outlive_processes_in, args.linger_seconds)
 
 
 if __name__ == "__main__":

@@ -241,10 +241,12 @@ def test_without_outliving_a_stop_signal_stops_the_standalone_exporter_at_once(t
     try:
         wait_until(lambda: _scrape(port) == {}, 20, "the exporter")
         exporter.send_signal(stop)
-        exporter.communicate(timeout=10)
+        _, stderr = exporter.communicate(timeout=10)
     finally:
         exporter.kill()
         exporter.wait()
+    assert exporter.returncode == 0, stderr  # a stop asked for, as with --outlive-processes-in
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
 
 
 def test_an_outliving_exporter_that_cannot_bind_its_host_exits_1(tmp_path):
