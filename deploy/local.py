@@ -26,6 +26,8 @@ from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
 
 STATUS_POLL_SECONDS = 0.5
+PROC_ROOT = "/proc"  # this node's processes, the megaserve ones among them
+DRAIN_MARGIN_SECONDS = 5.0  # Serve's own steps past the replicas' graceful time, as the apps are deleted
 RUNNING, DEPLOY_FAILED = "RUNNING", "DEPLOY_FAILED"  # Serve's ApplicationStatus values
 MULTIPROC_FILES = "*.db"  # prometheus_client's multiprocess files: {kind}_{pid}.db
 
@@ -114,14 +116,44 @@ def refuse_a_taken_http_port(host: str, port: int) -> None:
     """Refuse an HTTP address that Serve's proxy could not listen on before Ray starts, not after
     (serve.start would raise the proxy's failure, with tracebacks). The probe binds as Serve's proxy
     does (no SO_REUSEADDR), so that its answer is the proxy's."""
+    error = _bind_error(host, port, reuse_address=False)
+    if error is not None and error.errno == errno.EADDRINUSE:
+        raise ValueError(f"the HTTP port {port} on {host} is in use; stop what holds it or give "
+                         f"another (--port or http_options.port)")
+    if error is not None:
+        raise ValueError(f"cannot listen on the HTTP address {host}:{port}: {error.strerror or error}")
+
+
+def refuse_metrics_in_use(app_configs: list[AppConfig]) -> None:
+    """Refuse a metrics port or folder that a running megaserve on this node already uses (two runs
+    on the defaults): this run would wipe the other's metrics files, and its own exporter would wait
+    behind the other's port, so neither would be served right."""
+    from megaserve.monitoring.exporter import recording_processes
+
+    for app in app_configs:
+        folder = app.metrics.multiproc_dir
+        running = recording_processes(folder, PROC_ROOT, os.getpid()) if os.path.isdir(folder) else []
+        if running:
+            raise ValueError(f"metrics.multiproc_dir {folder} holds the metrics of running processes (pids "
+                             f"{', '.join(map(str, running))}): another megaserve on this node? Stop it, or give "
+                             "this one a metrics.multiproc_dir and metrics.port of its own")
+        # As the exporter binds (SO_REUSEADDR): a port whose last connections linger is not taken.
+        error = _bind_error(app.metrics.bind_host, app.metrics.port, reuse_address=True)
+        if error is not None and error.errno == errno.EADDRINUSE:
+            raise ValueError(f"metrics.port {app.metrics.port} on {app.metrics.bind_host} is in use: another "
+                             "megaserve on this node? Stop it, or give this one a metrics.port of its own")
+
+
+def _bind_error(host: str, port: int, reuse_address: bool) -> OSError | None:
+    """Why a listening socket could not be bound at host:port now, or None if it could."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        if reuse_address:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                raise ValueError(f"the HTTP port {port} on {host} is in use; stop what holds it or give "
-                                 f"another (--port or http_options.port)") from None
-            raise ValueError(f"cannot listen on the HTTP address {host}:{port}: {error.strerror or error}") from None
+            return error
+    return None
 
 
 def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
@@ -172,6 +204,7 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         refuse_incomplete_model_dirs(app_configs)
         if config.get("proxy_location") != "Disabled":  # no proxy, nothing listens on the port
             refuse_a_taken_http_port(http["host"], http["port"])
+        refuse_metrics_in_use(app_configs)
         _prepare_node(app_configs, env)
     except (OSError, ValueError, yaml.YAMLError) as error:
         print(f"megaserve up: {error}", file=sys.stderr)
@@ -188,6 +221,7 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _say("starting Serve")
+    names: list[str] = []  # the apps submitted, to drain on the way out
     try:
         try:
             serve.start(http_options=http, proxy_location=config.get("proxy_location"))
@@ -230,6 +264,32 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         pass
     finally:
         _say("stopping")
+        _drain(names, max(_graceful_seconds(c) for c in app_configs))
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _graceful_seconds(app: AppConfig) -> float:
+    """How long the app's slowest stopping replica may take: the router waits as long as its tiers."""
+    return max(tier.graceful_shutdown_seconds for tier in (app.latency, app.throughput) if tier.enabled)
+
+
+def _drain(names: list[str], graceful_seconds: float) -> None:
+    """Delete the apps before Serve shuts down: Serve then stops each replica as on a scale-down, its
+    running generations finishing (within graceful_shutdown_seconds) while the proxy still streams
+    them; serve.shutdown alone kills the proxy first and cuts every stream off. A second Ctrl-C
+    stops at once."""
+    from ray import serve
+
+    if not names:
+        return
+    _say(f"letting running requests finish (up to {graceful_seconds:g} s; Ctrl-C again stops at once)")
+    deadline = time.monotonic() + graceful_seconds + DRAIN_MARGIN_SECONDS
+    try:
+        for name in names:
+            serve.delete(name, _blocking=False)
+        while time.monotonic() < deadline and set(names) & set(serve.status().applications):
+            time.sleep(STATUS_POLL_SECONDS)
+    except KeyboardInterrupt:
+        _say("stopping at once")

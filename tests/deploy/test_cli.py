@@ -8,6 +8,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import openai
@@ -18,6 +19,7 @@ from megaserve.deploy.local import load_serve_config
 from tests.live import free_port
 
 pytestmark = pytest.mark.integration
+STREAM_TOKENS = 1000  # the demo model on 2 CPU cores: a few seconds of decoding
 
 
 def _start_up(tmp_path) -> tuple[subprocess.Popen, int]:
@@ -61,10 +63,11 @@ def _stop(proc: subprocess.Popen, signum: int) -> str:
     return rest
 
 
-def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
+def test_up_serves_the_demo_and_stops_on_ctrl_c_once_running_streams_finish(tmp_path):
     started = time.monotonic()
     proc, port = _start_up(tmp_path)
     lines: list[str] = []
+    streamed: dict[str, object] = {}
     try:
         _read_until(proc, "ready in", lines)
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
@@ -75,10 +78,29 @@ def test_up_serves_the_demo_and_stops_cleanly_on_ctrl_c(tmp_path):
         first_answer = time.monotonic() - started
         assert reply.choices[0].message.content is not None
         print(f"megaserve up: first request answered {first_answer:.1f} s after start")
+        # A stream of several seconds on the CPU, running when Ctrl-C comes.
+        first_chunk = threading.Event()
+
+        def stream() -> None:
+            chunks = client.chat.completions.create(
+                model="megaserve-demo", messages=[{"role": "user", "content": "hi"}], max_tokens=STREAM_TOKENS,
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            for chunk in chunks:
+                first_chunk.set()
+                if chunk.usage is not None:
+                    streamed["usage"] = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    streamed["finish_reason"] = choice.finish_reason or streamed.get("finish_reason")
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        assert first_chunk.wait(60)
     finally:
         rest = _stop(proc, signal.SIGINT)
+    streaming.join(10)
     assert proc.returncode == 0, "".join(lines) + rest
-    assert "megaserve: stopping" in rest
+    assert streamed == {"finish_reason": "length", "usage": STREAM_TOKENS}, rest  # not cut off
+    assert "megaserve: stopping" in rest and "letting running requests finish" in rest
     assert re.search(r"ready in \d+\.\d s", "".join(lines))
 
 

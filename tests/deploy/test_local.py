@@ -94,6 +94,42 @@ def test_an_http_port_in_use_is_one_message(tmp_path):
     assert "starting Ray" not in done.stdout
 
 
+def _config_with_metrics(tmp_path, metrics: dict):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": free_port()},
+                                    "applications": [{"import_path": BUILDER, "args": {"metrics": metrics}}]}))
+    return path
+
+
+def test_a_metrics_port_in_use_is_one_message(tmp_path):
+    with socket.socket() as holder:  # another megaserve's exporter, say
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = _up(_config_with_metrics(tmp_path, {"port": port, "bind_host": "127.0.0.1",
+                                                   "multiproc_dir": str(tmp_path / "metrics")}))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"megaserve up: metrics.port {port} on 127.0.0.1 is in use" in done.stderr
+    assert "starting Ray" not in done.stdout
+
+
+def test_a_metrics_folder_that_running_processes_record_into_is_refused_and_kept(tmp_path):
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    recorder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        (folder / f"counter_{recorder.pid}.db").write_bytes(b"")  # as prometheus_client names its files
+        done = _up(_config_with_metrics(tmp_path, {"port": free_port(), "bind_host": "127.0.0.1",
+                                                   "multiproc_dir": str(folder)}))
+    finally:
+        recorder.kill()
+        recorder.wait()
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"holds the metrics of running processes (pids {recorder.pid})" in done.stderr
+    assert (folder / f"counter_{recorder.pid}.db").exists()  # the other run's metrics are left alone
+    assert "starting Ray" not in done.stdout
+
+
 def _app_serving(model_path) -> AppConfig:
     return AppConfig.model_validate({"model": {"path": str(model_path)}})
 
