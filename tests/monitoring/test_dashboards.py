@@ -63,6 +63,17 @@ def test_check_reports_a_stale_file(tmp_path):
     assert dashboards.main(["--check", "--k8s-dir", str(tmp_path)]) == 1
 
 
+def test_without_the_sdk_the_generator_names_the_extra_that_installs_it():
+    # As on a README install (no extras): None in sys.modules makes the SDK's import fail.
+    without_sdk = ("import runpy, sys; sys.modules['grafana_foundation_sdk'] = None; "
+                   "runpy.run_module('megaserve.monitoring.dashboards', run_name='__main__')")
+    check = subprocess.run([sys.executable, "-c", without_sdk, "--check", "--k8s-dir", str(K8S)],
+                           capture_output=True, text=True)
+    assert check.returncode == 2
+    assert check.stderr.startswith("python -m megaserve.monitoring.dashboards: ") and "Traceback" not in check.stderr
+    assert check.stderr.strip().endswith('pip install -e ".[dashboards]"') and len(check.stderr.splitlines()) == 1
+
+
 def test_data_source_is_a_template_variable_never_a_fixed_uid():
     for name, board in _dashboards().items():
         variables = {v["name"]: v for v in board["templating"]["list"]}
