@@ -107,6 +107,10 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
 
 
 def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> int:
+    if not url.lower().startswith(("http://", "https://")):  # urllib says "unknown url type", not what is missing
+        problem = "is not an http:// or https:// URL" if "://" in url else f"has no scheme: add it, --url http://{url}"
+        print(f"megaserve generate: --url {url} {problem}", file=sys.stderr)
+        return 2
     try:
         return _stream_from_server(args, url)
     except urllib.error.HTTPError as error:

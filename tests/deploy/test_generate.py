@@ -231,9 +231,18 @@ def test_a_server_that_answers_something_else_is_a_one_line_error(path, message,
         server.shutdown()
 
 
-@pytest.mark.parametrize("url", ["foo", "http://[::1"])
-def test_a_malformed_url_is_a_one_line_error(url):
-    assert "ValueError" in _generate_fails("hi", "--url", url)
+def test_a_malformed_url_is_a_one_line_error():
+    assert "ValueError" in _generate_fails("hi", "--url", "http://[::1")
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost:8000", "foo"])
+def test_a_url_without_its_scheme_is_refused_saying_to_add_it(url):
+    error = _generate_fails("hi", "--url", url)
+    assert f"--url {url} has no scheme: add it, --url http://{url}" in error
+
+
+def test_a_url_of_another_scheme_is_refused():
+    assert "--url ftp://h is not an http:// or https:// URL" in _generate_fails("hi", "--url", "ftp://h")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the torch engine runs there")
