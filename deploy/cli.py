@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--api-key", default=None, help="bearer key for a server with auth on")
+    gen.add_argument("--api-key", default=None,
+                     help="bearer key for a server with auth on (default: $MEGASERVE_API_KEY, if set)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object instead of the stream: the text and finish reason; with "
                      "--model also the prompt and generated ids and per-step ms; with --url the tier, the token "

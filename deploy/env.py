@@ -47,6 +47,9 @@ class Environment:
     home: Path  # MEGASERVE_HOME: the demo model and the kernel cache
     kernel_cache: Path  # MEGASERVE_KERNEL_CACHE: compiled cubins by source hash + arch + shape
     api_keys: tuple[str, ...]  # MEGASERVE_API_KEYS: comma-separated; unset: () and no auth
+    # MEGASERVE_API_KEY: the key a client (`megaserve generate --url`) sends when --api-key gives none;
+    # unset or empty: none. A default, so that a server-side Environment need not name it.
+    api_key: str | None = None
 
     @classmethod
     def read(cls) -> "Environment":
@@ -55,4 +58,5 @@ class Environment:
             home=home,
             kernel_cache=_path("KERNEL_CACHE", home / "kernels"),
             api_keys=_api_keys(),
+            api_key=os.environ.get(PREFIX + "API_KEY", "").strip() or None,
         )

@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from http import HTTPStatus
 
 from megaserve.deploy.env import Environment
 
@@ -111,10 +112,15 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
         problem = "is not an http:// or https:// URL" if "://" in url else f"has no scheme: add it, --url http://{url}"
         print(f"megaserve generate: --url {url} {problem}", file=sys.stderr)
         return 2
+    api_key = args.api_key or env.api_key
     try:
-        return _stream_from_server(args, url)
+        return _stream_from_server(args, url, api_key)
     except urllib.error.HTTPError as error:
-        print(f"megaserve generate: {url} answered {error.code}: {error.read().decode()}", file=sys.stderr)
+        hint = ""
+        if error.code == HTTPStatus.UNAUTHORIZED:  # the server's message knows nothing of this CLI's flags
+            hint = ("; the key given (--api-key or MEGASERVE_API_KEY) was refused" if api_key
+                    else "; give it a key it accepts with --api-key KEY (or MEGASERVE_API_KEY)")
+        print(f"megaserve generate: {url} answered {error.code}: {error.read().decode()}{hint}", file=sys.stderr)
     except urllib.error.URLError as error:
         print(f"megaserve generate: cannot reach {url}: {error.reason}", file=sys.stderr)
     except (ValueError, http.client.HTTPException, OSError) as error:  # a bad URL, an answer cut short or not JSON
@@ -128,9 +134,9 @@ class ServerAnswerError(Exception):
     """The server answered 200 with something that is not what its OpenAI API sends."""
 
 
-def _stream_from_server(args: argparse.Namespace, url: str) -> int:
+def _stream_from_server(args: argparse.Namespace, url: str, api_key: str | None) -> int:
     body: dict = {
-        "model": _served_model(url, args.api_key),
+        "model": _served_model(url, api_key),
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "stream": True, "stream_options": {"include_usage": True},
         "service_tier": {"latency": "priority", "throughput": "default"}.get(args.tier, "auto"),
@@ -146,7 +152,7 @@ def _stream_from_server(args: argparse.Namespace, url: str) -> int:
     else:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
     request = urllib.request.Request(
-        url.rstrip("/") + path, data=json.dumps(body).encode(), headers=_headers(args.api_key),
+        url.rstrip("/") + path, data=json.dumps(body).encode(), headers=_headers(api_key),
     )
     started = time.perf_counter()
     arrivals: list[float] = []

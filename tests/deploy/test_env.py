@@ -11,12 +11,12 @@ from megaserve.deploy.env import Environment
 
 
 def test_defaults_live_under_the_user_cache(monkeypatch):
-    for name in ("MEGASERVE_HOME", "MEGASERVE_KERNEL_CACHE", "MEGASERVE_API_KEYS"):
+    for name in ("MEGASERVE_HOME", "MEGASERVE_KERNEL_CACHE", "MEGASERVE_API_KEYS", "MEGASERVE_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     env = Environment.read()
     assert env.home == Path.home() / ".cache" / "megaserve"
     assert env.kernel_cache == env.home / "kernels"
-    assert env.api_keys == ()
+    assert env.api_keys == () and env.api_key is None
 
 
 def test_variables_override_and_keys_are_split_and_trimmed(monkeypatch, tmp_path):
@@ -26,6 +26,12 @@ def test_variables_override_and_keys_are_split_and_trimmed(monkeypatch, tmp_path
     env = Environment.read()
     assert env.home == tmp_path and env.kernel_cache == tmp_path / "kernels"
     assert env.api_keys == ("key-a", "key-b")
+
+
+@pytest.mark.parametrize(("value", "key"), [(" client-key ", "client-key"), ("", None), (" ", None)])
+def test_the_client_key_is_trimmed_and_an_empty_one_is_none(monkeypatch, value, key):
+    monkeypatch.setenv("MEGASERVE_API_KEY", value)
+    assert Environment.read().api_key == key
 
 
 def test_a_relative_path_is_made_absolute_here(monkeypatch, tmp_path):

@@ -185,6 +185,56 @@ def test_against_a_server_the_json_has_the_text_and_finish_reason():
     assert result["completion_tokens"] == 2
 
 
+class AuthHandler(StreamingHandler):
+    """StreamingHandler behind bearer-key auth, answering 401 as the router does otherwise."""
+
+    key = "the-key"
+
+    def do_GET(self):
+        if self._authorized():
+            super().do_GET()
+
+    def do_POST(self):
+        if self._authorized():
+            super().do_POST()
+
+    def _authorized(self) -> bool:
+        if self.headers.get("Authorization") == f"Bearer {self.key}":
+            return True
+        error = {"error": {"message": "a valid API key is required: Authorization: Bearer <key>",
+                           "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+        self._send(401, "application/json", json.dumps(error))
+        return False
+
+
+@pytest.fixture
+def auth_url():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AuthHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_a_401_without_a_key_says_to_give_one_with_api_key(auth_url, monkeypatch):
+    monkeypatch.delenv("MEGASERVE_API_KEY", raising=False)
+    error = _generate_fails("hi", "--url", auth_url)
+    assert "answered 401" in error and "a valid API key is required" in error
+    assert "give it a key it accepts with --api-key KEY (or MEGASERVE_API_KEY)" in error
+
+
+def test_a_401_with_a_key_says_the_key_was_refused(auth_url, monkeypatch):
+    monkeypatch.delenv("MEGASERVE_API_KEY", raising=False)
+    error = _generate_fails("hi", "--url", auth_url, "--api-key", "wrong")
+    assert "answered 401" in error and "the key given (--api-key or MEGASERVE_API_KEY) was refused" in error
+
+
+def test_the_key_comes_from_megaserve_api_key_unless_api_key_gives_one(auth_url, monkeypatch):
+    monkeypatch.setenv("MEGASERVE_API_KEY", AuthHandler.key)
+    assert _generate("hi", "--url", auth_url)["text"] == "Hello"
+    monkeypatch.setenv("MEGASERVE_API_KEY", "wrong")
+    assert _generate("hi", "--url", auth_url, "--api-key", AuthHandler.key)["text"] == "Hello"
+
+
 class BrokenServerHandler(http.server.BaseHTTPRequestHandler):
     """A server that answers 200 with something else than the OpenAI API: its path picks what."""
 
