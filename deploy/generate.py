@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -46,6 +47,10 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
                                   top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     except EngineError as error:
         print(f"megaserve generate: {error}", file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.model):  # else the error names the first file missing, not the directory
+        problem = "is not a directory" if os.path.exists(args.model) else "does not exist"
+        print(f"megaserve generate: --model {args.model} {problem}", file=sys.stderr)
         return 2
     try:
         tokenizer = Tokenizer.from_dir(args.model)

@@ -61,9 +61,17 @@ def _generate_fails(*args: str, printed: str = "") -> str:
     return done.stderr
 
 
-def test_a_missing_model_is_a_one_line_error(tmp_path):
+def test_a_model_directory_that_does_not_exist_is_named_as_such(tmp_path):
     error = _generate_fails("hi", "--model", str(tmp_path / "nothing-here"))
-    assert f"cannot run the torch engine on {tmp_path / 'nothing-here'}: no tokenizer.json" in error
+    assert f"--model {tmp_path / 'nothing-here'} does not exist" in error
+    (tmp_path / "a-file").write_text("")
+    error = _generate_fails("hi", "--model", str(tmp_path / "a-file"))
+    assert f"--model {tmp_path / 'a-file'} is not a directory" in error
+
+
+def test_a_model_directory_without_its_files_is_a_one_line_error(tmp_path):
+    error = _generate_fails("hi", "--model", str(tmp_path))
+    assert f"cannot run the torch engine on {tmp_path}: no tokenizer.json" in error
 
 
 def test_a_request_the_engine_refuses_is_a_one_line_error(demo_dir):
