@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--host", type=_host, help="override http_options.host")
     up.add_argument("--port", type=_port, help="override http_options.port")
     up.add_argument("--timeout", type=_positive_seconds, default=600.0,
-                    help="seconds to wait for every replica to become healthy")
+                    help="seconds to wait for every replica to become healthy (default: %(default)g)")
 
     gen = commands.add_parser("generate", help="generate from one prompt and stream the tokens")
     gen.add_argument("prompt", nargs="?", default="Hello!", help="the user message (chat template "
@@ -65,10 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--tier", choices=("latency", "throughput", "auto"), default="auto",
                      help="service tier to ask the server for (with --url)")
     gen.add_argument("--raw", action="store_true", help="no chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)d)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature (default: %(default)g, which is greedy; unlike the server's "
+                     "default for a request that names none, the model's generation_config.json)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)g, off)")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample from the k likeliest tokens (default: %(default)d, off)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--api-key", default=None,

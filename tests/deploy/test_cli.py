@@ -15,6 +15,7 @@ import openai
 import pytest
 import yaml
 
+from megaserve.deploy.cli import _parser
 from megaserve.deploy.local import load_serve_config
 from tests.live import free_port
 
@@ -115,3 +116,18 @@ def test_up_stops_on_sigterm_while_it_is_still_deploying(tmp_path):
     assert proc.returncode == 0, output
     assert "asked to stop before the app was ready" in rest and "ready in" not in output
     assert "megaserve: stopping" in rest
+
+
+def _help(capsys, command: str) -> str:
+    """The --help of a megaserve command, its whitespace (wrapped to the terminal's width) made single spaces."""
+    with pytest.raises(SystemExit):
+        _parser().parse_args([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_the_help_shows_the_defaults_and_that_temperature_0_is_greedy(capsys):
+    generate = _help(capsys, "generate")
+    assert "tokens to generate at most (default: 64)" in generate
+    assert "sampling temperature (default: 0, which is greedy;" in generate
+    assert "(default: 1, off)" in generate and "(default: 0, off)" in generate  # --top-p, --top-k
+    assert "seconds to wait for every replica to become healthy (default: 600)" in _help(capsys, "up")
