@@ -113,10 +113,12 @@ def refuse_incomplete_model_dirs(app_configs: list[AppConfig]) -> None:
 
 
 def refuse_a_taken_http_port(host: str, port: int) -> None:
-    """Refuse an HTTP address that Serve's proxy could not listen on before Ray starts, not after
-    (serve.start would raise the proxy's failure, with tracebacks). The probe binds as Serve's proxy
-    does (no SO_REUSEADDR), so that its answer is the proxy's."""
-    error = _bind_error(host, port, reuse_address=False)
+    """Refuse an HTTP address that something listens on before Ray starts, not after (serve.start
+    would raise the proxy's failure, with tracebacks). The probe sets SO_REUSEADDR, as Serve's proxy
+    does, so that the connections of a run that just stopped (TIME_WAIT) do not count, but not
+    SO_REUSEPORT, which the proxy sets too: with it, a second Serve would share a port that another
+    one listens on, and the two would split its requests."""
+    error = _bind_error(host, port)
     if error is not None and error.errno == errno.EADDRINUSE:
         raise ValueError(f"the HTTP port {port} on {host} is in use; stop what holds it or give "
                          f"another (--port or http_options.port)")
@@ -137,18 +139,17 @@ def refuse_metrics_in_use(app_configs: list[AppConfig]) -> None:
             raise ValueError(f"metrics.multiproc_dir {folder} holds the metrics of running processes (pids "
                              f"{', '.join(map(str, running))}): another megaserve on this node? Stop it, or give "
                              "this one a metrics.multiproc_dir and metrics.port of its own")
-        # As the exporter binds (SO_REUSEADDR): a port whose last connections linger is not taken.
-        error = _bind_error(app.metrics.bind_host, app.metrics.port, reuse_address=True)
+        error = _bind_error(app.metrics.bind_host, app.metrics.port)  # the exporter sets SO_REUSEADDR too
         if error is not None and error.errno == errno.EADDRINUSE:
             raise ValueError(f"metrics.port {app.metrics.port} on {app.metrics.bind_host} is in use: another "
                              "megaserve on this node? Stop it, or give this one a metrics.port of its own")
 
 
-def _bind_error(host: str, port: int, reuse_address: bool) -> OSError | None:
-    """Why a listening socket could not be bound at host:port now, or None if it could."""
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a listening socket with SO_REUSEADDR could not be bound at host:port now, or None if it
+    could: a port whose last connections linger (TIME_WAIT) is not taken."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        if reuse_address:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:

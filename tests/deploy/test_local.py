@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from megaserve.deploy.config import AppConfig
-from megaserve.deploy.local import refuse_incomplete_model_dirs
+from megaserve.deploy.local import refuse_a_taken_http_port, refuse_incomplete_model_dirs
 from tests.live import free_port
 from tests.model_factory import make_tiny_model
 
@@ -92,6 +92,26 @@ def test_an_http_port_in_use_is_one_message(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"megaserve up: the HTTP port {port} on 127.0.0.1 is in use" in done.stderr
     assert "starting Ray" not in done.stdout
+
+
+def test_the_port_of_a_run_that_just_stopped_is_free_and_another_serve_s_is_taken():
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: its port keeps a connection in TIME_WAIT
+        client.close()
+    refuse_a_taken_http_port("127.0.0.1", port)
+    with socket.socket() as proxy:  # Serve's proxy sets both: a second proxy would share its port
+        proxy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        proxy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        proxy.bind(("127.0.0.1", port))
+        proxy.listen()
+        with pytest.raises(ValueError, match=f"the HTTP port {port} on 127.0.0.1 is in use"):
+            refuse_a_taken_http_port("127.0.0.1", port)
 
 
 def _config_with_metrics(tmp_path, metrics: dict):
