@@ -200,8 +200,12 @@ def _replica_alerts() -> list[dict]:
             # An app whose build raised (a model.path with no model, an empty MEGASERVE_API_KEYS) has
             # no deployments, so none of the deployment rules above has a series to fire on.
             "alert": "MegaserveApplicationUnhealthy",
+            # Ray marks an app failed or unhealthy whenever one of its deployments is: that one pages
+            # as MegaserveDeploymentUnhealthy, so this rule only speaks for the app that has none.
             "expr": f"ray_serve_application_status >= {APPLICATION_DEPLOY_FAILED} "
-                    f"<= {APPLICATION_UNHEALTHY}\n",
+                    f"<= {APPLICATION_UNHEALTHY}\n"
+                    f"unless on (application) ray_serve_deployment_status >= {DEPLOYMENT_FAILED} "
+                    f"<= {DEPLOYMENT_UNHEALTHY}\n",
             "for": REPLICA_HOLD,
             "labels": {"severity": "page"},
             "annotations": {
