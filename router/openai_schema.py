@@ -5,7 +5,7 @@ fields OpenAI defines that megaserve does not implement, and vLLM's and SGLang's
 not implement, are refused by name when set to anything but their neutral value (or, for a switch
 megaserve implements one way only, to anything but that way), rather than silently ignored; fields
 nobody defines are ignored, as OpenAI does. Extensions, as in vLLM: `top_k`, `stop_token_ids`,
-`ignore_eos`. Responses also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute.
+`ignore_eos`, `stream_options.continuous_usage_stats`. Responses also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute.
 """
 
 from __future__ import annotations

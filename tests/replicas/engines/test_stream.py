@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megaserve.replicas.engines.stream import Chunk, RequestQueue, StreamOutbox, TokenStream
-from megaserve.replicas.protocol import CoalescePolicy, EngineDeadError, EngineError, FinishReason
+from megaserve.replicas.protocol import CoalescePolicy, EngineDeadError, FinishReason
 
 STEP = 0.001
 
