@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
 import sys
 import time
 import urllib.error
@@ -39,6 +38,7 @@ def _default_device() -> str:
 
 def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     from megaserve.replicas.engines import create_engine
+    from megaserve.replicas.models.checkpoint import model_folder_problem
     from megaserve.replicas.protocol import EngineError, GenerateRequest, SamplingParams
     from megaserve.router.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -48,8 +48,8 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     except EngineError as error:
         print(f"megaserve generate: {error}", file=sys.stderr)
         return 2
-    if not os.path.isdir(args.model):  # else the error names the first file missing, not the directory
-        problem = "is not a directory" if os.path.exists(args.model) else "does not exist"
+    problem = model_folder_problem(args.model)
+    if problem is not None:
         print(f"megaserve generate: --model {args.model} {problem}", file=sys.stderr)
         return 2
     try:
@@ -70,7 +70,8 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     except EngineError as error:
         print(f"megaserve generate: {error}", file=sys.stderr)
         return 2
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)  # the text goes on from the prompt's
+    pieces: list[str] = []
     token_ids: list[int] = []
     step_ms: list[float] = []
     finish_reason = None
@@ -84,6 +85,9 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
                 token_ids.extend(output.token_ids)
                 step_ms.extend(s * 1e3 for s in output.step_seconds)
                 text = "".join(detokenizer.push(t) for t in output.token_ids)
+                if output.finish_reason is not None:
+                    text += detokenizer.finish()
+                pieces.append(text)
                 if not args.json:
                     print(text, end="", flush=True)
                 if output.finish_reason is not None:
@@ -101,7 +105,7 @@ def run_in_process(args: argparse.Namespace, env: Environment) -> int:
     if args.json:
         print(json.dumps({
             "engine": args.engine, "prompt_token_ids": prompt_ids, "token_ids": token_ids,
-            "text": tokenizer.decode(token_ids), "finish_reason": finish_reason,
+            "text": "".join(pieces), "finish_reason": finish_reason,
             "step_ms": [round(ms, 4) for ms in step_ms],
         }))
     else:

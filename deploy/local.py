@@ -93,23 +93,12 @@ def _say(message: str) -> None:
 def refuse_incomplete_model_dirs(app_configs: list[AppConfig]) -> None:
     """Refuse a model.path that cannot be served before Ray starts: every replica would fail to
     start on it, each with its own traceback. `megaserve up` runs one node, so the path is here."""
-    from megaserve.replicas.models.checkpoint import CheckpointError, open_checkpoint
-    from megaserve.replicas.protocol import CONFIG_FILE, TOKENIZER_FILE
+    from megaserve.replicas.models.checkpoint import model_folder_problem
 
     for app in app_configs:
-        path = app.model.path
-        if path is None:
-            continue
-        if not Path(path).is_dir():
-            raise ValueError(f"model.path {path} is not a directory")
-        problems = [f"no {name}" for name in (CONFIG_FILE, TOKENIZER_FILE) if not Path(path, name).is_file()]
-        try:
-            with open_checkpoint(path):  # reads each safetensors file's header, no tensor
-                pass
-        except (OSError, CheckpointError) as error:
-            problems.append(str(error))
-        if problems:
-            raise ValueError(f"model.path {path} is not a complete model folder: {'; '.join(problems)}")
+        problem = None if app.model.path is None else model_folder_problem(app.model.path)
+        if problem is not None:
+            raise ValueError(f"model.path {app.model.path} {problem}")
 
 
 def refuse_a_taken_http_port(host: str, port: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from megaserve.replicas.models.demo import (
@@ -70,3 +71,13 @@ def make_tiny_model(
     model.to(dtype).save_pretrained(directory, max_shard_size=max_shard_size or "10GB")
     write_tokenizer_files(directory, tokenizer, model_max_length=settings["max_position_embeddings"])
     return directory
+
+
+def sentencepiece_style_tokenizer(words: list[str]) -> Tokenizer:
+    """A word-level tokenizer over `words` ("<unk>" first) that decodes as Llama 2's and Mistral's do:
+    "▁" for a space, and the first token of a decoded string without its leading space."""
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return backend

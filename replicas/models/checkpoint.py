@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megaserve.replicas.protocol import CONFIG_FILE, TOKENIZER_FILE
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -54,6 +56,21 @@ def open_checkpoint(path: str | Path) -> Iterator[Checkpoint]:
                     raise CheckpointError(f"{INDEX_FILE} puts tensor {name!r} in {file_name}, which lacks it")
                 files[name] = handle
         yield Checkpoint(files)
+
+
+def model_folder_problem(path: str | Path) -> str | None:
+    """What keeps `path` from being a model folder that megaserve can serve (its config, tokenizer and
+    readable safetensors weights), said after the path ("does not exist", ...); None if nothing."""
+    path = Path(path)
+    if not path.is_dir():
+        return "is not a directory" if path.exists() else "does not exist"
+    problems = [f"no {name}" for name in (CONFIG_FILE, TOKENIZER_FILE) if not (path / name).is_file()]
+    try:
+        with open_checkpoint(path):  # reads each safetensors file's header, no tensor
+            pass
+    except (OSError, CheckpointError) as error:
+        problems.append(str(error))
+    return f"is not a complete model folder: {'; '.join(problems)}" if problems else None
 
 
 def _shards(path: Path) -> dict[str, list[str] | None]:

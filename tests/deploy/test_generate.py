@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from megaserve.deploy.env import Environment
 from megaserve.replicas import engines
 from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.protocol import FinishReason, StepOutput
+from tests.model_factory import sentencepiece_style_tokenizer
 
 
 def _generate(*args: str) -> dict:
@@ -71,7 +73,8 @@ def test_a_model_directory_that_does_not_exist_is_named_as_such(tmp_path):
 
 def test_a_model_directory_without_its_files_is_a_one_line_error(tmp_path):
     error = _generate_fails("hi", "--model", str(tmp_path))
-    assert f"cannot run the torch engine on {tmp_path}: no tokenizer.json" in error
+    assert (f"--model {tmp_path} is not a complete model folder: no config.json; no tokenizer.json; no "
+            f"model.safetensors or model.safetensors.index.json in {tmp_path}") in error  # as megaserve up says
 
 
 def test_a_request_the_engine_refuses_is_a_one_line_error(demo_dir):
@@ -124,6 +127,21 @@ def test_an_engine_that_fails_mid_stream_is_a_one_line_error_and_is_shut_down(mo
                                       [StepOutput(token_ids=[65], step_seconds=[0.001]), failed])
     assert code == 2 and engine.shut_down
     assert "megaserve generate: torch engine failed mid-stream: the GPU fell off" in capsys.readouterr().err
+
+
+def test_the_text_goes_on_from_the_prompt_where_the_decoder_strips_a_string_s_first_space(
+        monkeypatch, tmp_path, demo_dir, capsys):
+    # A SentencePiece decoder (Llama 2, Mistral) drops a string's first space: decoded alone, " Paris"
+    # would come out as "Paris", glued to the prompt.
+    model = tmp_path / "model"
+    shutil.copytree(demo_dir, model)
+    sentencepiece_style_tokenizer(["<unk>", "▁hi", "▁Paris", "▁is"]).save(str(model / "tokenizer.json"))
+    paris_is = StepOutput(token_ids=[2, 3], step_seconds=[0.001, 0.001], finish_reason=FinishReason.LENGTH)
+    for argv, printed in (([], " Paris is"), (["--json"], None)):
+        code, _, _ = _run_in_process(monkeypatch, tmp_path, str(model), [paris_is], *argv)
+        out = capsys.readouterr().out
+        assert code == 0
+        assert (json.loads(out)["text"] if printed is None else out) == " Paris is", out
 
 
 @pytest.mark.parametrize(("argv", "device"), [([], "cuda"), (["--device", "cuda:1"], "cuda:1")])

@@ -164,8 +164,11 @@ def test_an_incomplete_model_path_is_refused_by_what_it_lacks(tmp_path):
                                          f"model.safetensors.index.json in {model} names {shard.name}, which does not "
                                          "exist"):
         refuse_incomplete_model_dirs([_app_serving(model)])
-    with pytest.raises(ValueError, match=f"model.path {tmp_path / 'nothing-here'} is not a directory"):
+    with pytest.raises(ValueError, match=f"model.path {tmp_path / 'nothing-here'} does not exist"):
         refuse_incomplete_model_dirs([_app_serving(tmp_path / "nothing-here")])
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=f"model.path {tmp_path / 'a-file'} is not a directory"):
+        refuse_incomplete_model_dirs([_app_serving(tmp_path / "a-file")])
 
 
 @pytest.mark.parametrize(("argv", "message"), [

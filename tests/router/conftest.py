@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 
 import pytest
 import uvicorn
-from tokenizers import Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers
 
 from megaserve.replicas.engines.torch_engine import TorchEngine
 from megaserve.replicas.models.demo import ensure_demo_model
@@ -21,6 +20,7 @@ from megaserve.router.app import create_app
 from megaserve.router.backend import Backend, EngineBackend
 from megaserve.router.settings import RouterSettings
 from megaserve.router.tokenizer import Tokenizer
+from tests.model_factory import sentencepiece_style_tokenizer
 
 MODEL = "megaserve-demo"
 LATENCY_MAX_PROMPT_TOKENS = 64
@@ -43,11 +43,7 @@ def sentencepiece_tokenizer() -> Tokenizer:
     """A tokenizer that decodes as Llama 2's and Mistral's do: "▁" for a space, and the first token of
     a decoded string without its leading space."""
     words = ["<unk>", "▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris"]
-    backend = BackendTokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
-    return Tokenizer(backend, {}, None)
+    return Tokenizer(sentencepiece_style_tokenizer(words), {}, None)
 
 
 @pytest.fixture(scope="session")
