@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import math
 import os
 import re
 import signal
@@ -196,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --outlive-processes-in: serve this much longer once those processes have "
                              "exited, so that a scrape reads their last values (at least the scrape interval)")
     args = parser.parse_args(argv)
-    if args.linger_seconds < 0:
-        parser.error(f"--linger-seconds must be 0 or more, not {args.linger_seconds:g}")
+    if not math.isfinite(args.linger_seconds) or args.linger_seconds < 0:  # time.sleep raises on nan and inf
+        parser.error(f"--linger-seconds must be a number of seconds, 0 or more, not {args.linger_seconds:g}")
     if args.linger_seconds and args.outlive_processes_in is None:
         parser.error("--linger-seconds needs --outlive-processes-in: without it a stop signal stops at once")
     folder = multiprocess_dir()

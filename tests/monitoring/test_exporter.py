@@ -223,7 +223,8 @@ def test_a_stopped_standalone_exporter_serves_until_the_recording_processes_exit
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--linger-seconds", "-1", "--outlive-processes-in", "/proc"], "--linger-seconds must be 0 or more"),
+    *[(["--linger-seconds", value, "--outlive-processes-in", "/proc"], "--linger-seconds must be a number of "
+       "seconds, 0 or more") for value in ("-1", "nan", "inf")],
     (["--linger-seconds", "5"], "--linger-seconds needs --outlive-processes-in"),
 ])
 def test_a_linger_it_cannot_honour_is_refused(tmp_path, args, message):
