@@ -144,3 +144,12 @@ def test_panel_query_returns_data(recorded, expr):
         assert time.monotonic() < deadline, f"no data for {query}"
         time.sleep(1.0)
     assert all(v >= 0 for v in samples)
+
+
+def test_the_test_extra_pins_the_dashboards_extra_s_sdk_alike():
+    # Listed twice, not as "megaserve[dashboards]": a self-reference needs a recent pip. The tests
+    # build the dashboards with the pin they ship with.
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras["dashboards"]) <= set(extras["test"])
