@@ -19,7 +19,6 @@ from megaserve.deploy.cli import _parser
 from megaserve.deploy.local import load_serve_config
 from tests.live import free_port
 
-pytestmark = pytest.mark.integration
 STREAM_TOKENS = 1000  # the demo model on 2 CPU cores: a few seconds of decoding
 
 
@@ -64,6 +63,7 @@ def _stop(proc: subprocess.Popen, signum: int) -> str:
     return rest
 
 
+@pytest.mark.integration
 def test_up_serves_the_demo_and_stops_on_ctrl_c_once_running_streams_finish(tmp_path):
     started = time.monotonic()
     proc, port = _start_up(tmp_path)
@@ -105,6 +105,7 @@ def test_up_serves_the_demo_and_stops_on_ctrl_c_once_running_streams_finish(tmp_
     assert re.search(r"ready in \d+\.\d s", "".join(lines))
 
 
+@pytest.mark.integration
 def test_up_stops_on_sigterm_while_it_is_still_deploying(tmp_path):
     proc, _ = _start_up(tmp_path)
     lines: list[str] = []
