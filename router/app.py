@@ -116,6 +116,8 @@ class _Router:
         body = await self._read(request, CompletionRequest)
         if isinstance(body.prompt, str):
             prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, add_special_tokens=True)
+            if not prompt_ids:  # "" where the tokenizer adds no BOS: nothing for a model to go on from
+                raise invalid("the prompt is empty: it has no tokens, and this model's tokenizer adds none", "prompt")
         else:
             prompt_ids = list(body.prompt)
             self._check_token_ids(prompt_ids, "prompt")

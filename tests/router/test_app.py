@@ -117,6 +117,18 @@ def test_an_empty_text_prompt_is_its_special_tokens_as_in_vllm(router_url, token
     assert response.json()["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
 
 
+def test_an_empty_text_prompt_that_is_no_tokens_is_refused_as_the_prompt_s_fault(
+        demo_model_dir, engines, sentencepiece_tokenizer):
+    assert sentencepiece_tokenizer.encode("", add_special_tokens=True) == []  # no BOS to add
+    app = create_app(router_settings(demo_model_dir), {Tier.LATENCY: EngineBackend(engines[Tier.LATENCY])},
+                     sentencepiece_tokenizer)
+    with serving(app) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "", "max_tokens": 3})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt"
+    assert "the prompt is empty" in response.json()["error"]["message"]
+
+
 def test_stop_string_spanning_tokens_truncates_the_text_and_frees_the_replica(router_url, engines, tokenizer):
     request = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 40,
                "service_tier": "priority", **GREEDY}
