@@ -260,11 +260,9 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         ).bind(_replica_spec(Tier.THROUGHPUT, tier, tier.engine, tier.max_batch, config, env,
                             directory))
 
-    tiers = [tier for tier in (config.latency, config.throughput) if tier.enabled]
     return RouterDeployment.options(
         num_replicas=config.routing.router_replicas,
-        # a router's streams last as long as its tiers' generations
-        graceful_shutdown_timeout_s=max(tier.graceful_shutdown_seconds for tier in tiers),
+        graceful_shutdown_timeout_s=config.router_graceful_shutdown_seconds,
         ray_actor_options={"num_cpus": config.routing.router_cpus, "runtime_env": {"env_vars": process_env}},
     ).bind(router_settings(config, env, directory), latency, throughput, config.metrics.bind_host,
            config.metrics.port)

@@ -302,3 +302,8 @@ class AppConfig(_Strict):
                         f"than model.max_context ({self.model.max_context})"
                     )
         return self
+
+    @property
+    def router_graceful_shutdown_seconds(self) -> float:
+        """How long a stopping router lets its streams run: as long as the longest of its tiers'."""
+        return max(tier.graceful_shutdown_seconds for tier in (self.latency, self.throughput) if tier.enabled)

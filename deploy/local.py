@@ -254,15 +254,10 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         pass
     finally:
         _say("stopping")
-        _drain(names, max(_graceful_seconds(c) for c in app_configs))
+        _drain(names, max(c.router_graceful_shutdown_seconds for c in app_configs))
         serve.shutdown()
         ray.shutdown()
     return 0
-
-
-def _graceful_seconds(app: AppConfig) -> float:
-    """How long the app's slowest stopping replica may take: the router waits as long as its tiers."""
-    return max(tier.graceful_shutdown_seconds for tier in (app.latency, app.throughput) if tier.enabled)
 
 
 def _drain(names: list[str], graceful_seconds: float) -> None:
