@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -133,7 +134,10 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        context = [token for token in prompt_ids if not self._skipped(token)][-PROMPT_CONTEXT_TOKENS:]
+        # From the end: a long prompt is not scanned whole for each choice.
+        kept = (token for token in reversed(prompt_ids) if not self._skipped(token))
+        context = list(itertools.islice(kept, PROMPT_CONTEXT_TOKENS))
+        context.reverse()
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # a prompt that ends inside a character: its text cannot be a prefix
         self._window: list[int] = context  # context ids, then ids not yet emitted
