@@ -436,9 +436,31 @@ def test_pod_monitor_scrapes_the_metrics_ports_under_the_expected_jobs():
         labels = template["metadata"]["labels"]
         assert monitor["selector"]["matchLabels"].items() <= labels.items()
     # An endpoint's `port` keeps only the pods with a port of that name: the workers for `megaserve`.
-    jobs = {e["port"]: e["relabelings"] for e in monitor["podMetricsEndpoints"]}
-    assert jobs[MEGASERVE_METRICS_PORT_NAME] == [{"targetLabel": "job", "replacement": METRICS_JOB}]
-    assert jobs[RAY_METRICS_PORT_NAME] == [{"targetLabel": "job", "replacement": RAY_JOB}]
+    endpoints = {e["port"]: e["relabelings"] for e in monitor["podMetricsEndpoints"]}
+    for port, job in ((MEGASERVE_METRICS_PORT_NAME, METRICS_JOB), (RAY_METRICS_PORT_NAME, RAY_JOB)):
+        running = _relabel(endpoints[port], {"__meta_kubernetes_pod_phase": "Running", "job": "podMonitor"})
+        assert running is not None and running["job"] == job
+        # While KubeRay's init container waits for the GCS (minutes at a cold start) the pod is Pending
+        # and its ports answer nothing: as a target it would be down, and page.
+        assert _relabel(endpoints[port], {"__meta_kubernetes_pod_phase": "Pending"}) is None
+
+
+def _relabel(rules: list[dict], labels: dict[str, str]) -> dict[str, str] | None:
+    """A target's labels after Prometheus's relabeling (the replace and drop actions), None if dropped."""
+    labels = dict(labels)
+    for rule in rules:
+        action = rule.get("action", "replace")
+        value = ";".join(labels.get(name, "") for name in rule.get("sourceLabels", []))
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if action == "drop":
+            if match:
+                return None
+        elif action == "replace":
+            if match:
+                labels[rule["targetLabel"]] = match.expand(rule.get("replacement", "$1").replace("$", "\\"))
+        else:
+            raise AssertionError(f"no model of relabel action {action!r}")
+    return labels
 
 
 @pytest.mark.parametrize("document", KUBERNETES_STEPS)
