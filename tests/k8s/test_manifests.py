@@ -26,6 +26,8 @@ KUBERNETES_VERSION = "1.33"
 GPU = "nvidia.com/gpu"
 GPUS_PER_GB300_TRAY = 4
 NVLINK_DOMAIN_LABEL = "nvidia.com/gpu.clique"  # one NVL72 rack's NVLink domain, per node
+RAY_CLUSTER_LABEL = "ray.io/cluster"  # KubeRay's label on every pod of a RayCluster
+IMAGE_ARCH = "arm64"  # the image's one platform (docs/operations.md), Grace's
 RAY_METRICS_PORT_NAME = "metrics"
 MEGASERVE_METRICS_PORT_NAME = "megaserve"
 # A container port's name is an IANA_SVC_NAME (k8s.io/apimachinery validation.IsValidPortName): the
@@ -310,13 +312,23 @@ def test_head_has_no_gpus_and_takes_no_replicas():
     assert config.routing.router_cpus > 0  # nor routers: an actor of 0 CPUs would fit on the head
 
 
+@pytest.mark.parametrize("group", ["head", "latency", "throughput"])
+def test_every_pod_runs_on_nodes_of_the_image_s_architecture(group):
+    # The image is built for linux/arm64 only (docs/operations.md): a pod scheduled on an amd64
+    # node fails with "exec format error", and arm64 nodes carry a taint that keeps others off.
+    spec = _pod_specs()[group]
+    assert spec["nodeSelector"]["kubernetes.io/arch"] == IMAGE_ARCH
+    tolerated = {(t["key"], t.get("value")) for t in spec["tolerations"]}
+    assert ("kubernetes.io/arch", IMAGE_ARCH) in tolerated
+
+
 @pytest.mark.parametrize("group", ["latency", "throughput"])
 def test_gb300_pods_take_whole_trays(group):
     spec = _pod_specs()[group]
-    assert spec["nodeSelector"] == {"kubernetes.io/arch": "arm64",
+    assert spec["nodeSelector"] == {"kubernetes.io/arch": IMAGE_ARCH,
                                     "nvidia.com/gpu.product": "NVIDIA-GB300"}
     tolerated = {(t["key"], t.get("value")) for t in spec["tolerations"]}
-    assert {("kubernetes.io/arch", "arm64"), (GPU, None)} <= tolerated
+    assert (GPU, None) in tolerated
     container = _ray_container(spec)
     assert container["resources"]["requests"][GPU] == container["resources"]["limits"][GPU]
     assert _gpus(spec) == GPUS_PER_GB300_TRAY
@@ -353,6 +365,9 @@ def test_tensor_parallel_groups_over_several_trays_stay_in_one_nvlink_domain():
     spec = _pod_specs()["latency"]
     (term,) = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == NVLINK_DOMAIN_LABEL
+    # Within the pod's own RayCluster: in an upgrade, the old cluster's pods must not pull the new
+    # cluster's into the old, full clique.
+    assert term["matchLabelKeys"] == [RAY_CLUSTER_LABEL]
     # The term selects every latency pod (so all of them share one clique) and no other pod.
     selector = term["labelSelector"]["matchLabels"].items()
     cluster = _cluster()
