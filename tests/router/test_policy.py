@@ -64,6 +64,20 @@ async def test_slots_are_granted_in_arrival_order_and_a_timeout_gives_nothing():
     assert not await slots.wait_for(2, wait_seconds=0.02) and slots.in_flight == 1
 
 
+async def test_a_newcomer_may_not_take_free_slots_while_an_earlier_request_waits():
+    """Capacity 3, two slots held, a request for 2 waits: one slot is free, but it is the waiter's
+    to take once the next comes back, so a newcomer for 1 is refused rather than served first."""
+    slots = TierSlots(capacity=3)
+    assert slots.take_now(2)
+    waiter = asyncio.create_task(slots.wait_for(2, wait_seconds=5))
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and slots.in_flight == 2  # one slot free, the waiter needs two
+    assert not slots.take_now(1)
+    assert slots.in_flight == 2
+    slots.give_back(1)
+    assert await asyncio.wait_for(waiter, 1) and slots.in_flight == 3
+
+
 async def test_a_waiter_cancelled_while_queued_leaves_no_trace():
     slots = TierSlots(capacity=1)
     assert slots.take_now(1)
@@ -222,6 +236,19 @@ async def test_capacity_follows_the_healthy_replicas(engines):
     assert caught.value.status == 400 and "2" in caught.value.message  # n beyond the full tier
     for lease in (first, second, third):
         lease.release()
+
+
+@pytest.mark.parametrize("capacity, replicas, healthy, expected", [
+    (3, 2, 1, 2),  # 1.5 slots per healthy replica: rounded up
+    (1, 2, 1, 1),  # rounding down would leave the healthy replica no slot at all
+    (5, 3, 2, 4),  # 3.33
+    (4, 2, 1, 2),  # exact: nothing to round
+])
+async def test_the_healthy_share_of_a_tier_s_slots_is_rounded_up(engines, capacity, replicas, healthy, expected):
+    latency = ReplicaCountBackend(engines[Tier.LATENCY], healthy=healthy)
+    admission = Admission(settings(latency_capacity=capacity, latency_replicas=replicas), {Tier.LATENCY: latency})
+    assert await admission.healthy(Tier.LATENCY)
+    assert admission.slots[Tier.LATENCY].capacity == expected
 
 
 async def test_routers_share_the_healthy_slots_by_their_rank_read_at_every_resize(engines):
