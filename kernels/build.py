@@ -139,10 +139,7 @@ def resource_usage(
     program = Program(source_files(source_dir)[MAIN_SOURCE], code_type="c++",
                       options=_options(arch, source_dir, ptxas_verbose=True))
     log = io.StringIO()
-    try:
-        program.compile("cubin", name_expressions=(shape.kernel_name(timing),), logs=log)
-    finally:
-        program.close()
+    _compile(program, shape.kernel_name(timing), arch, logs=log)
     report = log.getvalue()
     registers, frame, shared = (pattern.search(report) for pattern in (PTXAS_REGISTERS, PTXAS_FRAME, PTXAS_SHARED))
     if registers is None or frame is None or shared is None:
@@ -203,6 +200,8 @@ class KernelCache:
 
     def __init__(self, directory: str | Path, source_dir: str | Path = SOURCE_DIR) -> None:
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise KernelBuildError(f"the kernel cache {self.directory} is not a folder")
         self.source_dir = Path(source_dir).resolve()
         missing = [name for name in (MAIN_SOURCE, BARRIER_PROBE_SOURCE) if not (self.source_dir / name).is_file()]
         if missing:
@@ -273,16 +272,20 @@ class KernelCache:
         _write_atomic(record_path, json.dumps(record).encode())
 
 
-def compile_source(source: str, arch: str, name_expression: str, source_dir: Path = SOURCE_DIR) -> CompiledKernel:
-    """Run NVRTC on `source` for `arch` and instantiate `name_expression`; its includes come from
-    `source_dir`."""
-    program = Program(source, code_type="c++", options=_options(arch, source_dir))
+def _compile(program: Program, name_expression: str, arch: str, **options) -> ObjectCode:
+    """`program`'s cubin with `name_expression` instantiated; NVRTC's refusal as KernelBuildError."""
     try:
-        object_code = program.compile("cubin", name_expressions=(name_expression,))
+        return program.compile("cubin", name_expressions=(name_expression,), **options)
     except Exception as error:  # cuda.core raises its NVRTCError with the compiler log
         raise KernelBuildError(f"NVRTC failed to compile {name_expression} for {arch}:\n{error}") from error
     finally:
         program.close()
+
+
+def compile_source(source: str, arch: str, name_expression: str, source_dir: Path = SOURCE_DIR) -> CompiledKernel:
+    """Run NVRTC on `source` for `arch` and instantiate `name_expression`; its includes come from
+    `source_dir`."""
+    object_code = _compile(Program(source, code_type="c++", options=_options(arch, source_dir)), name_expression, arch)
     symbol = object_code.symbol_mapping[name_expression]
     return CompiledKernel(
         cubin=bytes(object_code.code),

@@ -44,6 +44,7 @@ from megaserve.kernels.barrier_probe import time_grid_barrier
 from megaserve.kernels.build import KernelBuildError, KernelCache
 from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep, StageTimes, store_down_transposed
 from megaserve.kernels.profiling import count_kernel_launches
+from megaserve.kernels.shape import UnsupportedShapeError
 from megaserve.replicas.models import Model, ModelConfig
 from megaserve.replicas.models.decoder import expected_shapes
 from megaserve.replicas.models.sharding import plan_sharding, step_read_bytes
@@ -80,10 +81,15 @@ WEIGHT_STD = 0.02  # like an initializer: keeps activations finite through 36 la
 NORM_JITTER = 0.1
 CACHE_STD = 1.0
 BANDWIDTH_PROBE_BYTES = 4 << 30  # several times the 60 MB L2
+BANDWIDTH_TIMED_CALLS = 10  # per timed block: each call reads the whole probe, about 1 ms on an H200
 WARMUP_STEPS = 5
 TIMED_STEPS = 50
 EAGER_TIMED_STEPS = 10
 REPEATS = 3  # median of this many timed blocks
+# Replays of a captured megakernel step between two resets of its position (time_steps' warm-up and
+# timed blocks; capture's warm-up and count_kernel_launches' two calls are fewer): each replay
+# writes the K and V of its position and advances it by one, so the cache holds this many more.
+REPLAYS_PER_POSITION_RESET = WARMUP_STEPS + REPEATS * TIMED_STEPS
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 BF16_BYTES = 2
 
@@ -142,7 +148,7 @@ def random_model(config: ModelConfig, device: torch.device) -> Model:
 def read_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large reduction over a buffer far larger than L2."""
     data = torch.empty(BANDWIDTH_PROBE_BYTES // BF16_BYTES, dtype=torch.bfloat16, device=device).normal_()
-    return BANDWIDTH_PROBE_BYTES / time_steps(data.sum, TIMED_STEPS // 5)
+    return BANDWIDTH_PROBE_BYTES / time_steps(data.sum, BANDWIDTH_TIMED_CALLS)
 
 
 def time_steps(step: Callable[[], object], count: int) -> float:
@@ -205,7 +211,7 @@ def bench_context(
     method at a time (the megakernel once per entry of `kernel_caches`, method name -> the cache
     of its sources); a PyTorch baseline that fails yields its exception instead."""
     device = model.device
-    cache = model.new_cache(1, context + 2 * (WARMUP_STEPS + REPEATS * TIMED_STEPS) + 1)
+    cache = model.new_cache(1, context + REPLAYS_PER_POSITION_RESET)
     for tensor in (*cache.k, *cache.v):
         tensor.normal_(0.0, CACHE_STD)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -230,9 +236,11 @@ def bench_context(
 
     if MEGAKERNEL in methods:
         with down_stored_transposed(model):
-            for method, (round_seconds, launches, stages, timing_cost_ms) in bench_megakernels(
-                model, cache, context, kernel_caches, rounds
-            ):
+            for method, measured in bench_megakernels(model, cache, context, kernel_caches, rounds):
+                if isinstance(measured, Exception):  # a build that failed: the others are timed
+                    yield method, measured
+                    continue
+                round_seconds, launches, stages, timing_cost_ms = measured
                 extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
                          "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
                          "stage_late_repeat": stages.late_repeat, "timing_cost_ms": timing_cost_ms,
@@ -268,14 +276,24 @@ def down_stored_transposed(model: Model) -> Iterator[None]:
             layer.w_down = w_down
 
 
+# What building a megakernel can raise: a variant's sources that NVRTC refuses, a shape or GPU the
+# kernel does not take. The bench reports it as that build's result and times the others.
+BUILD_ERRORS = (KernelBuildError, UnsupportedShapeError)
+
+
 def bench_megakernels(
     model: Model, cache, context: int, kernel_caches: dict[str, KernelCache], rounds: int
-) -> Iterator[tuple[str, tuple[list[float], int, StageTimes, float]]]:
+) -> Iterator[tuple[str, tuple[list[float], int, StageTimes, float] | Exception]]:
     """Per build of the megakernel (method name -> the cache of its sources): (seconds per step of
-    each round, launches per step, per-stage times, ms/step that the timestamps cost). The builds'
-    graphs are timed in turn, `rounds` times, so that a drift of the GPU's clocks meets every build
-    alike."""
-    steps = {method: DecodeStep(model, cache, 0, kernel_cache) for method, kernel_cache in kernel_caches.items()}
+    each round, launches per step, per-stage times, ms/step that the timestamps cost), or the
+    BUILD_ERRORS exception of a build that failed. The builds' graphs are timed in turn, `rounds`
+    times, so that a drift of the GPU's clocks meets every build alike."""
+    steps = {}
+    for method, kernel_cache in kernel_caches.items():
+        try:
+            steps[method] = DecodeStep(model, cache, 0, kernel_cache)
+        except BUILD_ERRORS as error:
+            yield method, error
     graphs = {}
     for method, step in steps.items():
         step.set_position(0, context)
@@ -285,10 +303,15 @@ def bench_megakernels(
         for method, graph in graphs.items():
             steps[method].set_position(0, context)
             samples[method].append(time_steps(graph.replay, TIMED_STEPS))
-    for method, kernel_cache in kernel_caches.items():
+    for method, step in steps.items():
         seconds = statistics.median(samples[method])  # what the timing build's cost is measured against
+        step.set_position(0, context)
         launches = count_kernel_launches(graphs[method].replay)
-        timed = DecodeStep(model, cache, 0, kernel_cache, timing=True)
+        try:
+            timed = DecodeStep(model, cache, 0, kernel_caches[method], timing=True)
+        except BUILD_ERRORS as error:
+            yield method, error
+            continue
         timed.set_position(0, context)
         timed_graph = capture(timed.launch)
         timed.set_position(0, context)
@@ -364,7 +387,14 @@ def parse_args(argv: list[str] | None, kernel_cache: Path | None = None) -> argp
         parser.error("contexts must be positive")
     if args.rounds < 1:
         parser.error("rounds must be at least 1")
-    args.kernel_caches = {MEGAKERNEL: KernelCache(args.kernel_cache)}
+    if args.kernel_sources and MEGAKERNEL not in args.methods:
+        parser.error(f"--kernel-sources times variants beside the {MEGAKERNEL}: add it to --methods")
+    if not args.out.parent.is_dir() or args.out.is_dir():
+        parser.error(f"--out {args.out}: not a file in an existing folder (the report is written after each model)")
+    try:
+        args.kernel_caches = {MEGAKERNEL: KernelCache(args.kernel_cache)}
+    except KernelBuildError as error:
+        parser.error(str(error))
     for entry in args.kernel_sources:
         name, sep, folder = entry.partition("=")
         if not sep or not SOURCE_NAME.fullmatch(name) or not folder:

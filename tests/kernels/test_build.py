@@ -209,6 +209,14 @@ def test_a_broken_variant_fails_with_the_compiler_log(tmp_path):
     variant = _source_copy(tmp_path, '\nstatic_assert(false, "variant under test");\n')
     with pytest.raises(KernelBuildError, match="variant under test"):
         KernelCache(tmp_path / "cache", variant).decode_step(TINY, HOPPER)
+    with pytest.raises(KernelBuildError, match="variant under test"):  # the ptxas report's own compile
+        resource_usage(TINY, HOPPER, source_dir=variant)
+
+
+def test_a_kernel_cache_that_is_a_file_is_refused_by_name(tmp_path):
+    (tmp_path / "cache").write_text("")
+    with pytest.raises(KernelBuildError, match="the kernel cache .*cache is not a folder"):
+        KernelCache(tmp_path / "cache")
 
 
 def test_a_folder_without_the_kernel_sources_is_refused(tmp_path):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from megaserve.kernels.build import SOURCE_DIR, KernelCache
+from megaserve.kernels.build import SOURCE_DIR, KernelBuildError, KernelCache
 from megaserve.kernels.launcher import StageTimes
 from megaserve.replicas import bench
 from megaserve.replicas.bench import (
@@ -104,11 +104,20 @@ def test_kernel_sources_are_timed_beside_the_package_s_own(tmp_path):
     (["--kernel-sources", "v=DIR", "v=DIR"], "names 'v' twice"),
     (["--kernel-sources", "v=EMPTY"], "has no decode_step.cu, barrier_probe.cu"),
     (["--rounds", "0"], "rounds must be at least 1"),
+    # variants that would never be timed
+    (["--kernel-sources", "v=DIR", "--methods", "eager"], "add it to --methods"),
+    # refused before the GPU time that the first model's report would come after
+    (["--out", "MISSING/bench.json"], "not a file in an existing folder"),
+    (["--out", "EMPTY"], "not a file in an existing folder"),
+    (["--kernel-cache", "FILE"], "is not a folder"),
 ])
-def test_bad_kernel_sources_and_rounds_are_refused(tmp_path, capsys, argv, message):
+def test_bad_kernel_sources_rounds_and_paths_are_refused(tmp_path, capsys, argv, message):
     (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("")
     shutil.copytree(SOURCE_DIR, tmp_path / "sources", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    argv = [arg.replace("DIR", str(tmp_path / "sources")).replace("EMPTY", str(tmp_path / "empty")) for arg in argv]
+    folders = {"DIR": "sources", "EMPTY": "empty", "MISSING": "missing", "FILE": "file"}
+    for placeholder, folder in folders.items():
+        argv = [arg.replace(placeholder, str(tmp_path / folder)) for arg in argv]
     with pytest.raises(SystemExit):
         parse_args(["--kernel-cache", str(tmp_path / "cache"), *argv])
     assert message in capsys.readouterr().err
@@ -126,51 +135,100 @@ def test_the_table_widens_for_a_variant_s_method_compares_it_and_names_it_over_i
     assert "stages Llama-3.2-1B ctx=1024 megakernel:qkv-l2 (timing build, which costs +0.002 ms/step):" in table
 
 
-def test_the_builds_are_timed_in_turn_every_round(tmp_path, monkeypatch):
-    """The GPU parts stand in (tests/gpu/test_bench_gpu.py runs them): each build's graph is timed
-    once per round, the builds alternating, from the benchmark's position, and reported as the
-    median of its rounds."""
+class _Step:
+    """A DecodeStep on the CPU: a launch writes the cache at its position and advances it by one, as
+    the kernel does (it writes pos + 1 to the step state)."""
+
+    failing: set[str] = set()  # the builds whose construction raises, as NVRTC refusing a variant
+
+    def __init__(self, model, cache, slot, kernel_cache, timing=False):
+        self.name = kernel_cache.source_dir.name + ("+timing" if timing else "")
+        if self.name in self.failing:
+            raise KernelBuildError(f"NVRTC refused {self.name}")
+        self.cache, self.pos, self.furthest = cache, None, None
+
+    def set_position(self, token, pos):
+        self.pos = pos
+
+    def launch(self):
+        assert self.pos < self.cache.max_seq, f"{self.name} writes position {self.pos} past the cache"
+        self.furthest = self.pos if self.furthest is None else max(self.furthest, self.pos)
+        self.pos += 1
+
+    def stage_times(self):
+        return StageTimes({"qkv": 1e-3}, {"qkv": 1e-4}, {"qkv": 1e-5})
+
+
+def _stand_in_for_the_gpu(monkeypatch, tmp_path, failing=frozenset()):
+    """The GPU parts of bench_context replaced (tests/gpu/test_bench_gpu.py runs them), each replaying
+    the step as often as the real one; returns the log of where each timing started, the builds'
+    caches and the steps made."""
     timings: list[str] = []
+    steps: list[_Step] = []
 
-    class Step:  # a DecodeStep that records where each timing starts
-        def __init__(self, model, cache, slot, kernel_cache, timing=False):
-            self.name = kernel_cache.source_dir.name + ("+timing" if timing else "")
-            self.pos = None
+    class Step(_Step):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            steps.append(self)
 
-        def set_position(self, token, pos):
-            self.pos = pos
-
-        def launch(self):
-            pass
-
-        def stage_times(self):
-            return StageTimes({"qkv": 1e-3}, {"qkv": 1e-4}, {"qkv": 1e-5})
+    Step.failing = set(failing)
 
     class Graph:  # "replays" the step whose launch it captured
         def __init__(self, launch):
-            self.replay = launch.__self__
+            for _ in range(bench.WARMUP_STEPS):  # capture's warm-up runs the step
+                launch()
+            self.replay = launch
 
-    def time_steps(step, count):
+    def time_steps(replay, count):
+        step = replay.__self__
         timings.append(f"{step.name}@{step.pos}")
+        for _ in range(bench.WARMUP_STEPS + bench.REPEATS * count):
+            replay()
         return {"kernels": 1e-3, "copy": 2e-3}.get(step.name, 3e-3) * (1 + 0.1 * len(timings))
+
+    def count_kernel_launches(replay):
+        replay(), replay()  # a warm-up and the profiled call
+        return 1
 
     monkeypatch.setattr(bench, "DecodeStep", Step)
     monkeypatch.setattr(bench, "capture", Graph)
     monkeypatch.setattr(bench, "time_steps", time_steps)
-    monkeypatch.setattr(bench, "count_kernel_launches", lambda replay: 1)
+    monkeypatch.setattr(bench, "count_kernel_launches", count_kernel_launches)
     shutil.copytree(SOURCE_DIR, tmp_path / "copy", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     caches = {MEGAKERNEL: KernelCache(tmp_path / "cache"), "megakernel:copy": KernelCache(tmp_path, tmp_path / "copy")}
+    return timings, caches, steps
+
+
+def test_the_builds_are_timed_in_turn_every_round(tmp_path, monkeypatch):
+    """Each build's graph is timed once per round, the builds alternating, from the benchmark's
+    position (every replay advances it), and reported as the median of its rounds."""
+    timings, caches, steps = _stand_in_for_the_gpu(monkeypatch, tmp_path)
     model = random_model(ModelConfig.from_hf_dict(TINY_CONFIG), torch.device("cpu"))
 
     measured = dict(bench.bench_context(model, 100, (MEGAKERNEL,), caches, rounds=3))
 
     assert timings[:6] == ["kernels@100", "copy@100"] * 3  # then each timing build once
     assert timings[6:] == ["kernels+timing@100", "copy+timing@100"]
+    # The cache is exactly long enough for the positions the replays write (_Step.launch checks).
+    assert max(step.furthest for step in steps) == steps[0].cache.max_seq - 1
     seconds, launches, extra = measured[MEGAKERNEL]
     assert extra["round_ms"] == pytest.approx([1.1, 1.3, 1.5]) and seconds == pytest.approx(1.3e-3)
     assert measured["megakernel:copy"][2]["round_ms"] == pytest.approx([2.4, 2.8, 3.2])
     assert launches == 1 and extra["stage_ms"] == {"qkv": 1.0} and extra["timing_cost_ms"] == pytest.approx(
         3e-3 * 1.7 * 1e3 - 1.3)
+
+
+@pytest.mark.parametrize("failing", ["copy", "copy+timing"])
+def test_a_build_that_fails_is_reported_and_the_other_builds_are_timed(tmp_path, monkeypatch, failing):
+    # The likely failure of an A/B run: the edited variant does not compile (or its timing build).
+    timings, caches, _ = _stand_in_for_the_gpu(monkeypatch, tmp_path, failing={failing})
+    model = random_model(ModelConfig.from_hf_dict(TINY_CONFIG), torch.device("cpu"))
+
+    measured = dict(bench.bench_context(model, 100, (MEGAKERNEL, "eager"), caches, rounds=1))
+
+    assert isinstance(measured["megakernel:copy"], KernelBuildError)
+    assert measured[MEGAKERNEL][1] == 1 and "eager" in measured  # the package's build and the baselines ran
+    assert "kernels@100" in timings and "kernels+timing@100" in timings
 
 
 def test_the_report_is_written_after_each_model_so_a_run_cut_short_keeps_them(tmp_path, monkeypatch):
