@@ -28,6 +28,28 @@ def test_greedy_rows_take_the_argmax():
     assert torch.equal(tokens, logits.argmax(-1))
 
 
+def test_greedy_rows_of_a_batch_that_also_samples_take_the_argmax():
+    # all_greedy is False here, so the greedy rows go through the sampling path and must be masked back
+    # to the argmax; the sampled rows (one seeded, one not) leave it in some draws, so the batch does sample.
+    repeats = 500
+    base = _logits(4, seed=5) / 3  # spread enough that T=1.5 leaves the argmax often
+    assert (base.argmax(-1) != 0).all()  # so an all -inf or all-equal row (token 0) cannot pass
+    logits = base.repeat(repeats, 1)
+    params = [
+        p for i in range(repeats) for p in (
+            SamplingParams(temperature=0), SamplingParams(temperature=1.5, seed=i),
+            SamplingParams(temperature=0), SamplingParams(temperature=1.5),
+        )
+    ]
+    rows = SamplingRows.build(params, VOCAB, "cpu")
+    assert not rows.all_greedy and rows.any_seeded and rows.any_unseeded
+    tokens = sample(logits, rows, torch.arange(4 * repeats), torch.Generator().manual_seed(4)).view(repeats, 4)
+    argmax = base.argmax(-1).expand(repeats, 4)
+    assert torch.equal(tokens[:, [0, 2]], argmax[:, [0, 2]])
+    for sampled in (1, 3):
+        assert (tokens[:, sampled] != argmax[:, sampled]).sum() > repeats // 10, sampled
+
+
 def test_a_temperature_too_small_to_divide_by_is_greedy():
     """1e-300 is 0 in float32 and 1e-30 makes every logit infinite: both must be the argmax, as in vLLM."""
     logits = _logits(6)
@@ -149,6 +171,20 @@ def test_negative_and_the_largest_seeds_draw_reproducibly():
     params = [SamplingParams(temperature=1.0, seed=-(2**63)), SamplingParams(temperature=1.0, seed=2**63 - 1)]
     first = _draw(logits, params, [0, 0])
     assert torch.equal(first, _draw(logits, params, [0, 0]))
+
+
+def test_the_high_32_bits_of_a_seed_change_its_draws():
+    # Flat logits make every token equally likely: two seeds' draws over 64 positions tell their noises apart.
+    positions = list(range(64))
+    logits = torch.zeros(len(positions), VOCAB)
+
+    def draws(seed: int) -> list[int]:
+        return _draw(logits, [SamplingParams(temperature=1.0, seed=seed)] * len(positions), positions).tolist()
+
+    assert draws(5) != draws(5 + 2**32)  # same low half
+    # -(2**63) is 2**63 mod 2**64: low half 0 like seed 0; 2**63 - 1 has the other high bits set
+    extremes = [draws(seed) for seed in (-(2**63), 2**63 - 1, 0)]
+    assert len({tuple(d) for d in extremes}) == 3
 
 
 def test_table_gathers_the_rows_of_admitted_slots():
