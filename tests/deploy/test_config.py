@@ -37,6 +37,8 @@ def test_every_field_has_a_description():
     ({"throughput": {"engine": "sglang"}}, "needs throughput.device: cuda"),
     ({"throughput": {"max_batch": 64, "max_ongoing_requests": 8}}, "max_ongoing_requests"),
     ({"model": {"max_context": 4096}}, "shorter than model.max_context"),
+    ({"model": {"max_context": 4096}, "latency": {"max_seq_len": 4096}},
+     r"throughput.max_seq_len \(2048\) is shorter than model.max_context \(4096\)"),
     ({"latency": {"accelerator_type": "H200"}}, "accelerator_type"),
     ({"latency": {"device": "cuda", "accelerator_type": ""}},
      "latency.accelerator_type\n  String should have at least 1 character"),
@@ -83,6 +85,13 @@ def test_a_disabled_tier_s_sequence_length_does_not_bound_the_context():
     config = AppConfig.model_validate({"model": {"max_context": 4096}, "throughput": {"enabled": False},
                                        "latency": {"max_seq_len": 4096}})
     assert config.model.max_context == 4096
+
+
+def test_limits_equal_to_what_they_bound_are_accepted():
+    config = AppConfig.model_validate({"model": {"max_context": 4096}, "latency": {"max_seq_len": 4096},
+                                       "throughput": {"max_seq_len": 4096, "max_batch": 16,
+                                                      "max_ongoing_requests": 16}})
+    assert config.throughput.max_seq_len == 4096 and config.throughput.max_ongoing_requests == 16
 
 
 def test_other_dtypes_are_fine_where_the_megakernel_does_not_serve():
