@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 
@@ -112,6 +113,21 @@ def test_a_port_held_by_another_program_is_logged_once_while_it_waits(caplog):
         time.sleep(0.3)  # several retry periods
     waiting = [r for r in caplog.records if "is taken" in r.getMessage()]
     assert len(waiting) == 1 and f"127.0.0.1:{port}" in waiting[0].getMessage()
+
+
+def test_starting_the_exporter_twice_on_one_port_starts_one_thread(caplog, monkeypatch):
+    # A second call (a replica that builds its engine again) must not start a thread that waits on the
+    # port this process holds already, saying it "is taken" by another process.
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    port = free_port()
+    with caplog.at_level(logging.INFO, logger="megaserve.monitoring.exporter"):
+        start_node_exporter("127.0.0.1", port, retry_seconds=0.05)
+        start_node_exporter("127.0.0.1", port, retry_seconds=0.05)
+        wait_until(lambda: any("serving node metrics" in r.getMessage() for r in caplog.records), 10, "the serving")
+        time.sleep(0.3)  # several retry periods
+    assert len([t for t in threading.enumerate() if t.name == f"megaserve-metrics-{port}"]) == 1
+    assert not [r for r in caplog.records if "is taken" in r.getMessage()]
+    assert _scrape(port)  # and the one thread serves
 
 
 def _exporter(port: int, env: dict[str, str], *args: str, host: str = "127.0.0.1") -> subprocess.Popen:
