@@ -92,13 +92,25 @@ def _say(message: str) -> None:
 
 def refuse_incomplete_model_dirs(app_configs: list[AppConfig]) -> None:
     """Refuse a model.path that cannot be served before Ray starts: every replica would fail to
-    start on it, each with its own traceback. `megaserve up` runs one node, so the path is here."""
+    start on it, each with its own traceback, the megakernel's after loading the weights onto the
+    GPU. `megaserve up` runs one node, so the path is here."""
+    from megaserve.kernels.shape import KernelShape, UnsupportedShapeError
+    from megaserve.replicas.models import ModelConfig
     from megaserve.replicas.models.checkpoint import model_folder_problem
 
     for app in app_configs:
-        problem = None if app.model.path is None else model_folder_problem(app.model.path)
+        if app.model.path is None:  # the demo model, whose shape the megakernel runs
+            continue
+        problem = model_folder_problem(app.model.path)
         if problem is not None:
             raise ValueError(f"model.path {app.model.path} {problem}")
+        if app.latency.enabled and app.latency.resolved_engine == "megakernel":
+            try:
+                KernelShape.from_config(ModelConfig.from_hf_dir(app.model.path))
+            except UnsupportedShapeError as error:
+                raise ValueError(f"model.path {app.model.path}: the megakernel (the latency tier's engine on "
+                                 f"cuda) cannot run this model: {error}; serve it with latency.engine: torch"
+                                 ) from None
 
 
 def refuse_a_taken_http_port(host: str, port: int) -> None:

@@ -27,9 +27,10 @@ import torch
 from megaserve.kernels.build import KernelCache
 from megaserve.kernels.launcher import STATE_POS, DecodeStep, store_down_transposed
 from megaserve.kernels.profiling import count_kernel_launches
+from megaserve.kernels.shape import KernelShape
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
-from ..models import load_model
+from ..models import ModelConfig, load_model
 from ..protocol import CoalescePolicy, FinishReason, Tier, context_limit
 from ..sampling import SamplingRows, sample
 from .engine_metrics import EngineMetrics
@@ -63,6 +64,8 @@ class MegakernelEngine(StepThreadEngine):
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         if dtype not in KERNEL_DTYPES:
             raise ValueError(f"MegakernelEngine runs bf16 weights; dtype {dtype!r} is not supported")
+        # A shape the kernel cannot take is refused before the weights and the cache take the GPU.
+        KernelShape.from_config(ModelConfig.from_hf_dir(model_dir))
         torch.cuda.set_device(self.device)
         self.model = load_model(model_dir, self.device, torch.bfloat16)
         store_down_transposed(self.model)  # the kernel's layout; the PyTorch prefill reads it as well

@@ -171,6 +171,21 @@ def test_an_incomplete_model_path_is_refused_by_what_it_lacks(tmp_path):
         refuse_incomplete_model_dirs([_app_serving(tmp_path / "a-file")])
 
 
+def test_a_model_the_megakernel_cannot_run_is_refused_where_the_latency_tier_would_run_it(tmp_path):
+    model = make_tiny_model(tmp_path / "model")  # head_dim 16: the kernel takes 64, 128 or 256
+    on_cuda = {"model": {"path": str(model)}, "latency": {"device": "cuda"}}
+    with pytest.raises(ValueError, match=f"model.path {model}: the megakernel .* cannot run this model: head_dim 16 "
+                                         "is not supported.*; serve it with latency.engine: torch"):
+        refuse_incomplete_model_dirs([AppConfig.model_validate(on_cuda)])
+    # the torch engine runs it, on cuda or on the cpu
+    refuse_incomplete_model_dirs([AppConfig.model_validate(on_cuda | {"latency": {"device": "cuda",
+                                                                                  "engine": "torch"}})])
+    refuse_incomplete_model_dirs([_app_serving(model)])
+    supported = make_tiny_model(tmp_path / "kernel-shaped", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                head_dim=64)
+    refuse_incomplete_model_dirs([AppConfig.model_validate(on_cuda | {"model": {"path": str(supported)}})])
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--port", "0"], "argument --port: a port is 1-65535, got 0"),
     (["--port", "99999"], "argument --port: a port is 1-65535, got 99999"),

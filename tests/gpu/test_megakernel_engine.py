@@ -8,13 +8,16 @@ import collections
 import contextlib
 
 import pytest
+import torch
 
 from megaserve.kernels.build import KernelCache
 from megaserve.kernels.launcher import DecodeStep
+from megaserve.kernels.shape import UnsupportedShapeError
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 from megaserve.replicas.engines.megakernel_engine import MegakernelEngine
 from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason, GenerateRequest, SamplingParams
 from tests.gpu.reference import kernel_step, megakernel_model, prefill, reference_step, tie_gap
+from tests.model_factory import make_tiny_model
 
 PROMPT = (5, 17, 99, 3, 42, 250, 7)
 MAX_TOKENS = 40
@@ -126,3 +129,12 @@ def test_too_long_requests_are_refused(engine):
         engine.generate(greedy_request(max_tokens=MAX_SEQ))
     with pytest.raises(EngineError, match="outside the vocabulary"):
         engine.generate(GenerateRequest("r", (engine.vocab_size,), SamplingParams()))
+
+
+def test_a_shape_the_kernel_cannot_take_is_refused_before_the_gpu_holds_anything(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "model", head_dim=16)  # the kernel takes 64, 128 or 256
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    with pytest.raises(UnsupportedShapeError, match="head_dim 16 is not supported"):
+        MegakernelEngine(model_dir, kernel_cache=tmp_path / "kernels", max_seq=MAX_SEQ)
+    assert torch.cuda.memory_allocated() == allocated  # no weights or cache were loaded first
