@@ -48,10 +48,14 @@ def test_in_process_greedy_matches_transformers(demo_dir):
     assert result["token_ids"] == expected[0, prompt.shape[1]:].tolist()
 
 
-def test_in_process_seeded_sampling_is_reproducible(demo_dir):
-    args = ("hello", "--model", demo_dir, "--device", "cpu", "--max-tokens", "16", "--ignore-eos",
-            "--temperature", "1.0", "--seed", "7")
-    assert _generate(*args)["token_ids"] == _generate(*args)["token_ids"]
+def test_in_process_seeded_sampling_is_reproducible_and_follows_the_seed_and_temperature(demo_dir):
+    # The demo model is so sure of its next token (mostly new lines, ~38 logits above the next) that at
+    # temperature 1 every seed draws the greedy tokens; at 10 its draws spread, so the seed shows.
+    args = ("hello", "--model", demo_dir, "--device", "cpu", "--max-tokens", "16", "--ignore-eos")
+    seeded = _generate(*args, "--temperature", "10", "--seed", "7")["token_ids"]
+    assert seeded == _generate(*args, "--temperature", "10", "--seed", "7")["token_ids"]
+    assert seeded != _generate(*args, "--temperature", "10", "--seed", "8")["token_ids"]
+    assert seeded != _generate(*args, "--temperature", "0")["token_ids"]
 
 
 def _generate_fails(*args: str, printed: str = "") -> str:
