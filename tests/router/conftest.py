@@ -1,6 +1,7 @@
 """The router app served by a real uvicorn on 127.0.0.1 (ephemeral port, own thread), over real
 TorchEngines on the demo model. `HoldingEngine` is the real demo model too, but pauses each
-generation after its first output until the test lets it go: a slot held on purpose."""
+generation after its first output until the test lets it go: a slot held on purpose.
+`RecordingEngineBackend` keeps the requests the router sends a real engine."""
 
 from __future__ import annotations
 
@@ -132,6 +133,19 @@ class HoldingEngine(Engine):
 
     async def shutdown(self) -> None:
         self.release()
+
+
+class RecordingEngineBackend(EngineBackend):
+    """A real engine's backend that keeps every request the router sent it."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.requests: list[GenerateRequest] = []
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        self.requests.append(request)
+        async for output in super().stream(request):
+            yield output
 
 
 def wait_until(condition, seconds: float = 5.0) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections.abc import AsyncGenerator
@@ -19,7 +20,15 @@ from megaserve.router.app import create_app
 from megaserve.router.backend import EngineBackend
 from megaserve.router.errors import UNAVAILABLE
 
-from .conftest import LATENCY_MAX_PROMPT_TOKENS, MODEL, router_settings, running_requests, serving, wait_until
+from .conftest import (
+    LATENCY_MAX_PROMPT_TOKENS,
+    MODEL,
+    RecordingEngineBackend,
+    router_settings,
+    running_requests,
+    serving,
+    wait_until,
+)
 
 HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -152,20 +161,38 @@ def test_stop_string_spanning_tokens_truncates_the_text_and_frees_the_replica(ro
 
 
 def test_n_choices_each_arrive_with_their_own_index(router_url):
-    request = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "n": 3, "seed": 7}
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "n": 3, "seed": 7, "ignore_eos": True}
     response = httpx.post(f"{router_url}/v1/chat/completions", json=request)
     body = response.json()
     assert response.headers["x-megaserve-route-reason"] == "n"
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
-    assert body["usage"]["completion_tokens"] >= 3
+    assert body["usage"]["completion_tokens"] == 3 * 4  # every choice's tokens
     with httpx.stream("POST", f"{router_url}/v1/chat/completions", json={**request, "stream": True}) as response:
         chunks = sse_payloads(response)[:-1]
     finishes = {c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]}
     assert finishes == {0, 1, 2}
     assert not any("usage" in c for c in chunks)  # not asked for: absent, as OpenAI's (null only when asked)
-    # choice i's seed is seed + i, wrapped into the 64-bit range the largest seed leaves no room in
-    wrapped = httpx.post(f"{router_url}/v1/chat/completions", json={**request, "seed": 2**63 - 1})
-    assert wrapped.status_code == 200 and len(wrapped.json()["choices"]) == 3
+
+
+@pytest.mark.parametrize("seed, choice_seeds", [
+    (7, [7, 8, 9]),
+    (2**63 - 1, [2**63 - 1, -(2**63), -(2**63) + 1]),  # wrapped into the 64-bit range the largest seed leaves
+    (-1, [-1, 0, 1]),
+    (None, [None, None, None]),  # unseeded: each choice draws its own randomness
+])
+def test_choice_i_of_a_seeded_request_samples_with_seed_plus_i(serve_router, engines, seed, choice_seeds):
+    """So choice 1 of seed s is choice 0 of seed s + 1: a seeded request is reproducible, and its
+    choices differ (the demo model is too peaked for their texts to show it)."""
+    throughput = RecordingEngineBackend(engines[Tier.THROUGHPUT])
+    url = serve_router({Tier.LATENCY: EngineBackend(engines[Tier.LATENCY]), Tier.THROUGHPUT: throughput})
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 2, "n": 3, "temperature": 1, "seed": seed}
+    response = httpx.post(f"{url}/v1/chat/completions", json=request)
+    assert response.status_code == 200, response.text  # the engine took every choice's seed
+    assert len(response.json()["choices"]) == 3
+    assert [r.sampling.seed for r in throughput.requests] == choice_seeds
+    assert {dataclasses.replace(r.sampling, seed=None) for r in throughput.requests} == {
+        dataclasses.replace(throughput.requests[0].sampling, seed=None)}  # the seed is all that differs
+    assert len({r.request_id for r in throughput.requests}) == 3
 
 
 def test_long_prompts_go_to_throughput_and_the_header_can_pick_the_tier(router_url, tokenizer):
