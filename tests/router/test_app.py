@@ -16,7 +16,7 @@ import pytest
 from ray.exceptions import TaskCancelledError
 
 from megaserve.replicas.protocol import EngineDeadError, GenerateRequest, StepOutput, Tier
-from megaserve.router.app import create_app
+from megaserve.router.app import SPILLOVER_PRIORITY, create_app
 from megaserve.router.backend import EngineBackend
 from megaserve.router.errors import UNAVAILABLE
 
@@ -288,12 +288,27 @@ def test_api_keys_guard_everything_but_health(serve_router, engines):
 
 
 def test_a_single_tier_deployment_serves_everything_from_it(serve_router, engines):
-    url = serve_router({Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])}, latency_capacity=0)
-    response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
-                                                          "service_tier": "priority"})
-    assert response.headers["x-megaserve-tier"] == "throughput"
-    assert response.headers["x-megaserve-route-reason"] == "only_tier"
+    throughput = RecordingEngineBackend(engines[Tier.THROUGHPUT])
+    url = serve_router({Tier.THROUGHPUT: throughput}, latency_capacity=0)
+    for service_tier, reason in (("priority", "only_tier"), ("default", "requested")):
+        response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                              "service_tier": service_tier})
+        assert response.headers["x-megaserve-tier"] == "throughput"
+        assert response.headers["x-megaserve-route-reason"] == reason
+    # what asked for latency queues ahead of bulk work in the throughput engine, as spilled-over work does
+    assert [r.priority for r in throughput.requests] == [SPILLOVER_PRIORITY, 0]
     assert httpx.get(url + "/health").json()["tiers"]["latency"]["healthy"] is False
+
+
+def test_a_latency_only_deployment_queues_what_asked_for_throughput_at_the_default_priority(serve_router, engines):
+    latency = RecordingEngineBackend(engines[Tier.LATENCY])
+    url = serve_router({Tier.LATENCY: latency}, throughput_capacity=0)
+    for service_tier, reason in (("default", "only_tier"), ("priority", "requested")):
+        response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                              "service_tier": service_tier})
+        assert response.headers["x-megaserve-tier"] == "latency"
+        assert response.headers["x-megaserve-route-reason"] == reason
+    assert [r.priority for r in latency.requests] == [0, 0]
 
 
 class DeadEngineBackend:

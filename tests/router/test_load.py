@@ -13,13 +13,14 @@ import pytest
 from megaserve.monitoring.metrics import FINISHED_REQUESTS, QUEUE_DEPTH, REJECTED_REQUESTS
 from megaserve.replicas.engines.torch_engine import TorchEngine
 from megaserve.replicas.protocol import Tier
-from megaserve.router.app import create_app
+from megaserve.router.app import SPILLOVER_PRIORITY, create_app
 from megaserve.router.backend import EngineBackend
 
 from .conftest import (
     MODEL,
     POLL_SECONDS,
     HoldingEngine,
+    RecordingEngineBackend,
     router_settings,
     running_requests,
     wait_until,
@@ -59,8 +60,8 @@ def holding(engines):
 
 
 def test_concurrent_latency_requests_spill_over_while_the_latency_tier_is_busy(serve_router, holding, engines):
-    url = serve_router({Tier.LATENCY: EngineBackend(holding[Tier.LATENCY]),
-                        Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])})
+    throughput = RecordingEngineBackend(engines[Tier.THROUGHPUT])
+    url = serve_router({Tier.LATENCY: EngineBackend(holding[Tier.LATENCY]), Tier.THROUGHPUT: throughput})
     held = HeldStream(url, {**PRIORITY, **LONG})
     assert held.tier == "latency"
 
@@ -73,6 +74,11 @@ def test_concurrent_latency_requests_spill_over_while_the_latency_tier_is_busy(s
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(ask, range(4)))
     assert answers == [(200, "throughput", "spillover", "default")] * 4
+    # work that asked for latency goes ahead of bulk work in the throughput engine's queue
+    assert [r.priority for r in throughput.requests] == [SPILLOVER_PRIORITY] * 4 and SPILLOVER_PRIORITY > 0
+    bulk = httpx.post(url + "/v1/completions", json={**PRIORITY, "service_tier": "default", "max_tokens": 1})
+    assert bulk.headers["x-megaserve-route-reason"] == "requested"
+    assert throughput.requests[-1].priority == 0
     held.close()
 
 
