@@ -98,6 +98,18 @@ def test_bad_request_gets_an_openai_error(router_url, path, content, status, par
         assert error["param"] == param, error
 
 
+@pytest.mark.parametrize("field, ids", [("prompt", lambda last: [1, last, 2]), ("stop_token_ids", lambda last: [last])],
+                         ids=["prompt", "stop_token_ids"])
+def test_token_ids_up_to_the_vocabulary_s_last_are_served_and_the_next_is_a_400(router_url, tokenizer, field, ids):
+    vocab = tokenizer.vocab_size
+    served = httpx.post(router_url + COMPLETIONS, content=completion(max_tokens=1, **{field: ids(vocab - 1)}))
+    assert served.status_code == 200, served.text
+    refused = httpx.post(router_url + COMPLETIONS, content=completion(max_tokens=1, **{field: ids(vocab)}))
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == field and f"token id {vocab} is outside the vocabulary (size {vocab})" in error["message"]
+
+
 def test_context_errors_carry_openai_code(router_url):
     error = httpx.post(router_url + CHAT, content=chat(max_tokens=4000)).json()["error"]
     assert error["code"] == "context_length_exceeded" and "2048" in error["message"]
