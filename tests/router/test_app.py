@@ -287,28 +287,23 @@ def test_api_keys_guard_everything_but_health(serve_router, engines):
     assert ok.status_code == 200
 
 
-def test_a_single_tier_deployment_serves_everything_from_it(serve_router, engines):
-    throughput = RecordingEngineBackend(engines[Tier.THROUGHPUT])
-    url = serve_router({Tier.THROUGHPUT: throughput}, latency_capacity=0)
-    for service_tier, reason in (("priority", "only_tier"), ("default", "requested")):
-        response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
-                                                              "service_tier": service_tier})
-        assert response.headers["x-megaserve-tier"] == "throughput"
-        assert response.headers["x-megaserve-route-reason"] == reason
+@pytest.mark.parametrize(("served", "routes", "priorities"), [
     # what asked for latency queues ahead of bulk work in the throughput engine, as spilled-over work does
-    assert [r.priority for r in throughput.requests] == [SPILLOVER_PRIORITY, 0]
-    assert httpx.get(url + "/health").json()["tiers"]["latency"]["healthy"] is False
-
-
-def test_a_latency_only_deployment_queues_what_asked_for_throughput_at_the_default_priority(serve_router, engines):
-    latency = RecordingEngineBackend(engines[Tier.LATENCY])
-    url = serve_router({Tier.LATENCY: latency}, throughput_capacity=0)
-    for service_tier, reason in (("default", "only_tier"), ("priority", "requested")):
+    (Tier.THROUGHPUT, (("priority", "only_tier"), ("default", "requested")), [SPILLOVER_PRIORITY, 0]),
+    # and bulk work that the latency engine takes waits at the default priority
+    (Tier.LATENCY, (("default", "only_tier"), ("priority", "requested")), [0, 0]),
+])
+def test_a_single_tier_deployment_serves_everything_from_it(serve_router, engines, served, routes, priorities):
+    backend = RecordingEngineBackend(engines[served])
+    missing = Tier.LATENCY if served == Tier.THROUGHPUT else Tier.THROUGHPUT
+    url = serve_router({served: backend}, **{f"{missing.value}_capacity": 0})
+    for service_tier, reason in routes:
         response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                               "service_tier": service_tier})
-        assert response.headers["x-megaserve-tier"] == "latency"
+        assert response.headers["x-megaserve-tier"] == served.value
         assert response.headers["x-megaserve-route-reason"] == reason
-    assert [r.priority for r in latency.requests] == [0, 0]
+    assert [r.priority for r in backend.requests] == priorities
+    assert httpx.get(url + "/health").json()["tiers"][missing.value]["healthy"] is False
 
 
 class DeadEngineBackend:
