@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
+from functools import partial
 
 import pytest
 
@@ -59,13 +60,14 @@ def test_text_held_back_at_the_end_is_flushed():
 
 
 class OneOutputBackend:
-    """A replica that sends every token of a generation in one output, as a coalescing engine may."""
+    """A replica that sends every token of a generation in one output, as a coalescing engine may, and
+    ends it for `finish` (on a stop id: the last token is it)."""
 
-    def __init__(self, token_ids: list[int]) -> None:
-        self.token_ids = token_ids
+    def __init__(self, token_ids: list[int], finish: FinishReason = FinishReason.LENGTH) -> None:
+        self.token_ids, self.finish = token_ids, finish
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
-        yield StepOutput(list(self.token_ids), [STEP_SECONDS] * len(self.token_ids), FinishReason.LENGTH)
+        yield StepOutput(list(self.token_ids), [STEP_SECONDS] * len(self.token_ids), self.finish)
 
     async def healthy_replicas(self) -> int:
         return 1
@@ -141,20 +143,8 @@ def test_a_stop_id_that_ends_a_choice_is_counted_but_adds_no_text(tokenizer, sto
     assert deltas[-1].finish_reason == "stop" and generation.completion_tokens == len(token_ids)
 
 
-class OneStopOutputBackend:
-    """A replica that sends every token of a generation in one output that ends it on a stop id."""
-
-    def __init__(self, token_ids: list[int]) -> None:
-        self.token_ids = token_ids
-
-    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
-        yield StepOutput(list(self.token_ids), [STEP_SECONDS] * len(self.token_ids), FinishReason.STOP)
-
-    async def healthy_replicas(self) -> int:
-        return 1
-
-
-@pytest.mark.parametrize("backend", [StopIdBackend, OneStopOutputBackend], ids=["stop id alone first", "one output"])
+@pytest.mark.parametrize("backend", [StopIdBackend, partial(OneOutputBackend, finish=FinishReason.STOP)],
+                         ids=["stop id alone first", "one output"])
 def test_only_the_stop_id_that_ends_a_choice_loses_its_text_not_one_earlier_in_it(tokenizer, backend):
     """A stop id that the engine streamed before the last token (it did not end the choice) is text."""
     stop, other = tokenizer.encode(" ab cd", add_special_tokens=False)[:2]
