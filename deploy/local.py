@@ -90,7 +90,7 @@ def _say(message: str) -> None:
     print(f"megaserve: {message}", flush=True)
 
 
-def refuse_incomplete_model_dirs(app_configs: list[AppConfig]) -> None:
+def refuse_unservable_model_dirs(app_configs: list[AppConfig]) -> None:
     """Refuse a model.path that cannot be served before Ray starts: every replica would fail to
     start on it, each with its own traceback, the megakernel's after loading the weights onto the
     GPU. `megaserve up` runs one node, so the path is here."""
@@ -203,7 +203,7 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         for app_config in app_configs:
             if app_config.metrics.port == http["port"]:
                 raise ValueError(f"metrics.port {app_config.metrics.port} is the HTTP port too; give it another")
-        refuse_incomplete_model_dirs(app_configs)
+        refuse_unservable_model_dirs(app_configs)
         if config.get("proxy_location") != "Disabled":  # no proxy, nothing listens on the port
             refuse_a_taken_http_port(http["host"], http["port"])
         refuse_metrics_in_use(app_configs)

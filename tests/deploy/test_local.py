@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from megaserve.deploy.config import AppConfig
-from megaserve.deploy.local import refuse_a_taken_http_port, refuse_incomplete_model_dirs
+from megaserve.deploy.local import refuse_a_taken_http_port, refuse_unservable_model_dirs
 from tests.live import free_port
 from tests.model_factory import make_tiny_model
 
@@ -156,19 +156,19 @@ def _app_serving(model_path) -> AppConfig:
 
 def test_an_incomplete_model_path_is_refused_by_what_it_lacks(tmp_path):
     model = make_tiny_model(tmp_path / "model", max_shard_size="100KB")
-    refuse_incomplete_model_dirs([_app_serving(model)])  # complete: nothing to refuse
+    refuse_unservable_model_dirs([_app_serving(model)])  # complete: nothing to refuse
     (model / "tokenizer.json").unlink()
     shard = sorted(model.glob("model-*.safetensors"))[0]
     shard.unlink()
     with pytest.raises(ValueError, match=f"model.path {model} is not a complete model folder: no tokenizer.json; "
                                          f"model.safetensors.index.json in {model} names {shard.name}, which does not "
                                          "exist"):
-        refuse_incomplete_model_dirs([_app_serving(model)])
+        refuse_unservable_model_dirs([_app_serving(model)])
     with pytest.raises(ValueError, match=f"model.path {tmp_path / 'nothing-here'} does not exist"):
-        refuse_incomplete_model_dirs([_app_serving(tmp_path / "nothing-here")])
+        refuse_unservable_model_dirs([_app_serving(tmp_path / "nothing-here")])
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ValueError, match=f"model.path {tmp_path / 'a-file'} is not a directory"):
-        refuse_incomplete_model_dirs([_app_serving(tmp_path / "a-file")])
+        refuse_unservable_model_dirs([_app_serving(tmp_path / "a-file")])
 
 
 def test_a_model_the_megakernel_cannot_run_is_refused_where_the_latency_tier_would_run_it(tmp_path):
@@ -176,14 +176,14 @@ def test_a_model_the_megakernel_cannot_run_is_refused_where_the_latency_tier_wou
     on_cuda = {"model": {"path": str(model)}, "latency": {"device": "cuda"}}
     with pytest.raises(ValueError, match=f"model.path {model}: the megakernel .* cannot run this model: head_dim 16 "
                                          "is not supported.*; serve it with latency.engine: torch"):
-        refuse_incomplete_model_dirs([AppConfig.model_validate(on_cuda)])
+        refuse_unservable_model_dirs([AppConfig.model_validate(on_cuda)])
     # the torch engine runs it, on cuda or on the cpu
-    refuse_incomplete_model_dirs([AppConfig.model_validate(on_cuda | {"latency": {"device": "cuda",
+    refuse_unservable_model_dirs([AppConfig.model_validate(on_cuda | {"latency": {"device": "cuda",
                                                                                   "engine": "torch"}})])
-    refuse_incomplete_model_dirs([_app_serving(model)])
+    refuse_unservable_model_dirs([_app_serving(model)])
     supported = make_tiny_model(tmp_path / "kernel-shaped", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                                 head_dim=64)
-    refuse_incomplete_model_dirs([AppConfig.model_validate(on_cuda | {"model": {"path": str(supported)}})])
+    refuse_unservable_model_dirs([AppConfig.model_validate(on_cuda | {"model": {"path": str(supported)}})])
 
 
 @pytest.mark.parametrize(("argv", "message"), [
