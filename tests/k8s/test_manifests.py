@@ -11,6 +11,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from ray.serve._private.constants import PROXY_MIN_DRAINING_PERIOD_S
 from ray.serve.schema import ServeDeploySchema
 
 from megaserve.deploy.config import AppConfig
@@ -48,6 +49,11 @@ APPLY_STEP = re.compile(r"kubectl -n (\S+) apply -f - <<'(\w+)'\n(.*?)\n\2\n", r
 # RayService fields the CRD still accepts but KubeRay ignores (rayservice_types.go: "Deprecated: This
 # field is not used anymore"): setting one only suggests a behaviour that does not exist.
 IGNORED_RAYSERVICE_FIELDS = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
+# KubeRay's readiness checks of a RayService worker (ray-operator utils/constant.go): the raylet
+# through the dashboard agent's port, then the node's Serve proxy; each answers "success".
+RAYLET_HEALTH_URL = "http://localhost:52365/api/local_raylet_healthz"
+SERVE_PROXY_HEALTH_PATH = "/-/healthz"
+HEALTH_CHECK = re.compile(r"wget --tries 1 -T (\d+) -q -O- (\S+) \| grep success")
 
 
 def _documents() -> list[dict]:
@@ -288,6 +294,25 @@ def test_stopping_pods_and_clusters_give_running_generations_the_config_s_gracef
         # Serve stops a draining node's replicas by the drain's deadline less their graceful time,
         # and Kubernetes kills the pod once its grace period is over.
         assert graceful < drain < spec["terminationGracePeriodSeconds"], group
+
+
+@pytest.mark.parametrize("group", ["latency", "throughput"])
+def test_worker_readiness_checks_what_kuberay_checks_and_survives_one_slow_answer(group):
+    serve_config, _ = _app_config()
+    probe = _ray_container(_pod_specs()[group])["readinessProbe"]
+    shell, flag, script = probe["exec"]["command"]
+    assert (shell, flag) == ("bash", "-c")
+    checks = HEALTH_CHECK.findall(script)
+    assert " && ".join(f"wget --tries 1 -T {t} -q -O- {url} | grep success" for t, url in checks) == script
+    proxy_url = f"http://localhost:{serve_config['http_options']['port']}{SERVE_PROXY_HEALTH_PATH}"
+    assert [url for _, url in checks] == [RAYLET_HEALTH_URL, proxy_url]
+    # Both answers fit in the probe's time, so a slow one fails the check rather than the probe.
+    assert sum(int(t) for t, _ in checks) < probe["timeoutSeconds"]
+    # One slow or lost answer leaves the pod in the Service (KubeRay's default drops it at once)...
+    assert probe["failureThreshold"] > 1
+    # ...and a draining proxy still leaves the Service while it takes requests.
+    worst_removal = probe["failureThreshold"] * probe["periodSeconds"] + probe["timeoutSeconds"]
+    assert worst_removal <= PROXY_MIN_DRAINING_PERIOD_S
 
 
 def test_ray_token_authentication_stays_on():
