@@ -359,10 +359,10 @@ def test_gb300_pods_take_whole_trays(group):
     assert _gpus(spec) == GPUS_PER_GB300_TRAY
 
 
-def test_worker_groups_differ_only_in_their_labels_and_the_latency_pods_affinity():
+def test_worker_groups_differ_only_in_their_labels_and_affinities():
     latency, throughput = (_pod_specs()[g] for g in ("latency", "throughput"))
-    assert {k: v for k, v in latency.items() if k != "affinity"} == throughput
-    assert "affinity" not in throughput
+    assert {k: v for k, v in latency.items() if k != "affinity"} == {
+        k: v for k, v in throughput.items() if k != "affinity"}
 
 
 @pytest.mark.parametrize("tier", ["latency", "throughput"])
@@ -400,6 +400,21 @@ def test_tensor_parallel_groups_over_several_trays_stay_in_one_nvlink_domain():
     templates["head"] = cluster["headGroupSpec"]["template"]
     matched = {name for name, t in templates.items() if selector <= t["metadata"]["labels"].items()}
     assert matched == {"latency"}
+
+
+def test_throughput_pods_leave_the_latency_pods_nvlink_domain_its_trays_where_they_can():
+    # A throughput replica fits one tray; the latency replicas' trays must all be in one domain.
+    _, config = _app_config()
+    assert config.throughput.nodes_per_replica == 1
+    latency_affinity = _pod_specs()["latency"]["affinity"]["podAffinity"]
+    (latency_term,) = latency_affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+    anti = _pod_specs()["throughput"]["affinity"]["podAntiAffinity"]
+    # Preferred, not required: a cluster of one NVLink domain still schedules both tiers.
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in anti
+    (preference,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preference["weight"] == 100  # the most a preference may weigh
+    # Away from exactly the pods the latency pods gather around: the same domain, the same cluster.
+    assert preference["podAffinityTerm"] == latency_term
 
 
 @pytest.mark.parametrize("group", ["head", "latency", "throughput"])
