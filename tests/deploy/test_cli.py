@@ -50,9 +50,13 @@ def _read_until(proc: subprocess.Popen, marker: str, lines: list[str]) -> None:
             return
 
 
-def _stop(proc: subprocess.Popen, signum: int) -> str:
-    """Send `signum`, wait for the exit, kill what the cluster left behind; returns the rest of the output."""
-    proc.send_signal(signum)
+def _stop(proc: subprocess.Popen, signum: int, to_group: bool = False) -> str:
+    """Send `signum` (to the process group that `megaserve up` leads, if `to_group`), wait for the
+    exit, kill what the cluster left behind; returns the rest of the output."""
+    if to_group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     try:
         rest, _ = proc.communicate(timeout=120)
     finally:
@@ -97,7 +101,9 @@ def test_up_serves_the_demo_and_stops_on_ctrl_c_once_running_streams_finish(tmp_
         streaming.start()
         assert first_chunk.wait(60)
     finally:
-        rest = _stop(proc, signal.SIGINT)
+        # As a terminal's Ctrl-C: to the whole foreground group, which holds the Ray processes that
+        # `megaserve up` started (its GCS, raylet and agents); they must leave the drain to it.
+        rest = _stop(proc, signal.SIGINT, to_group=True)
     streaming.join(10)
     assert proc.returncode == 0, "".join(lines) + rest
     assert streamed == {"finish_reason": "length", "usage": STREAM_TOKENS}, rest  # not cut off
