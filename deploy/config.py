@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from megaserve.deploy.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
 from megaserve.replicas.engines.sglang_engine import OWNED_ARGS as SGLANG_OWNED_ARGS
+from megaserve.replicas.engines.sglang_engine import check_engine_args as check_sglang_args
 from megaserve.replicas.protocol import CoalescePolicy
 from megaserve.router.settings import (
     DEFAULT_LATENCY_MAX_PROMPT_TOKENS,
@@ -188,7 +189,9 @@ class ThroughputTier(TierCommon):
         "the pinned SGLang is refused, and so are the ones megaserve sets: model_path (model.path), "
         "tp_size, context_length (max_seq_len), dtype (model.dtype), max_running_requests (max_batch), "
         "enable_metrics (sglang_metrics), mem_fraction_static (sglang_mem_fraction_static), "
-        "skip_tokenizer_init.",
+        "skip_tokenizer_init; also those that place SGLang on other GPUs or nodes than the replica "
+        "holds (dp_size, pp_size, nnodes, ...), and a schedule_policy that priority scheduling (on "
+        "unless enable_priority_scheduling: false) does not take.",
     )
 
     @model_validator(mode="after")
@@ -209,6 +212,10 @@ class ThroughputTier(TierCommon):
         unknown = sorted(set(self.sglang_args) - SERVER_ARGS_FIELDS)
         if unknown:
             raise ValueError(f"throughput.sglang_args: {'; '.join(_unknown_server_arg(key) for key in unknown)}")
+        try:
+            check_sglang_args(self.sglang_args)
+        except ValueError as error:
+            raise ValueError(f"throughput.sglang_args: {error}") from None
         if self.max_ongoing_requests < self.max_batch:
             raise ValueError("throughput.max_ongoing_requests must be >= max_batch")
         if self.tp_size > 1 and self.engine == "torch":

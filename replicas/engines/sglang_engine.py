@@ -29,7 +29,9 @@ Launch settings the engine owns (OWNED_ARGS; `engine_args` may not set them): th
 written to PROMETHEUS_MULTIPROC_DIR, the node's megaserve metrics folder, and so served beside
 ours), `mem_fraction_static` (the tier's `sglang_mem_fraction_static`) and `skip_tokenizer_init`
 (always on: token ids in and out, replicas never see text). Any other `ServerArgs` field (e.g.
-chunked_prefill_size) comes through `engine_args`.
+chunked_prefill_size) comes through `engine_args`, but for those that would fail only once SGLang
+starts on the GPUs (`check_engine_args`): a placement of its own (PLACEMENT_ARGS), and a schedule
+policy that priority scheduling refuses.
 `enable_priority_scheduling` is on unless `engine_args` says otherwise, so that
 `GenerateRequest.priority` orders SGLang's queue, larger first (SGLang's default direction). A seed
 maps to SGLang's `sampling_seed`, which SGLang honours when started with
@@ -110,6 +112,14 @@ OWNED_ARGS = (
     "model_path", "tp_size", "context_length", "dtype", "max_running_requests", "enable_metrics",
     "mem_fraction_static", "skip_tokenizer_init",
 )
+# ServerArgs fields that choose SGLang's GPUs and nodes, which the replica's placement fixes: tp_size
+# GPUs of one node, the ones Ray gives the actor (dp_size and pp_size multiply the GPUs SGLang takes).
+PLACEMENT_ARGS = (
+    "dp_size", "pp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "gpu_id_step", "device",
+)
+PRIORITY_ARG = "enable_priority_scheduling"
+# The schedule policies SGLang's priority scheduling takes (its check_server_args asserts them).
+PRIORITY_SCHEDULE_POLICIES = ("fcfs", "lof")
 INCREMENTAL_ARG = "incremental_streaming_output"
 TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k": its TOP_K_ALL, the whole vocabulary
 FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -162,6 +172,21 @@ def generate_kwargs(prompt_token_ids: Sequence[int], sampling_params: Mapping[st
             "rid": rid, "priority": priority, "stream": True}
 
 
+def check_engine_args(engine_args: Mapping[str, Any]) -> None:
+    """Refuse `engine_args` that SGLang would fail on only once its processes start on the GPUs:
+    a placement of its own, or a schedule policy that priority scheduling (on by default) refuses."""
+    placement = sorted(set(PLACEMENT_ARGS) & set(engine_args))
+    if placement:
+        raise ValueError(f"{placement} must not be set: the replica's placement decides SGLang's GPUs "
+                         f"(tp_size of one node, those Ray gives it)")
+    policy = engine_args.get("schedule_policy")
+    priority = engine_args.get(PRIORITY_ARG, SGLANG_DEFAULTS[PRIORITY_ARG])
+    if priority and policy is not None and policy not in PRIORITY_SCHEDULE_POLICIES:
+        raise ValueError(f"schedule_policy {policy!r} cannot be used with priority scheduling, which takes "
+                         f"{' or '.join(map(repr, PRIORITY_SCHEDULE_POLICIES))}; set {PRIORITY_ARG}: false "
+                         f"as well to use it (requests are then no longer ordered by their tier's priority)")
+
+
 def engine_launch_args(
     model_dir: str | Path,
     *,
@@ -179,6 +204,7 @@ def engine_launch_args(
     owned = sorted(set(OWNED_ARGS) & set(engine_args))
     if owned:
         raise ValueError(f"engine_args must not set {owned}: the engine sets them from its own arguments")
+    check_engine_args(engine_args)
     if tp_size < 1:
         raise ValueError(f"tp_size must be at least 1, got {tp_size}")
     settings = {

@@ -82,6 +82,10 @@ def test_the_replica_holds_its_tp_group_s_gpus_in_one_bundle_and_writes_to_the_m
     ({"sglang_mem_fraction_static": 0}, "sglang_mem_fraction_static\n  Input should be greater than 0"),
     ({"device": "cpu", "tp_size": 1, "accelerator_type": None}, "engine sglang needs throughput.device: cuda"),
     ({"nodes_per_replica": 2, "tp_size": 8}, "not supported by engine sglang"),
+    ({"sglang_args": {"dp_size": 2, "base_gpu_id": 4}},
+     "throughput.sglang_args: \\['base_gpu_id', 'dp_size'\\] must not be set: the replica's placement"),
+    ({"sglang_args": {"schedule_policy": "lpm"}},
+     "throughput.sglang_args: schedule_policy 'lpm' cannot be used with priority scheduling"),
 ])
 def test_bad_sglang_tiers_fail_with_a_message_naming_the_field(throughput, message):
     with pytest.raises(ValidationError, match=message):

@@ -25,6 +25,9 @@ from megaserve.replicas.engines.sglang_engine import (
     HEALTH_SAMPLING,
     INCREMENTAL_ARG,
     LONGER_CONTEXT_ENV,
+    PLACEMENT_ARGS,
+    PRIORITY_ARG,
+    PRIORITY_SCHEDULE_POLICIES,
     TOP_K_DISABLED,
     engine_launch_args,
     generate_kwargs,
@@ -93,6 +96,24 @@ def test_priority_scheduling_serves_larger_values_first_by_default(sglang):
     fields = {node.target.id: node for node in ast.walk(sglang.module("sglang.srt.arg_groups.fields.schedule"))
               if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     assert ast.literal_eval(fields["schedule_low_priority_values_first"].value) is False
+
+
+def test_priority_scheduling_takes_exactly_the_schedule_policies_we_let_through(sglang):
+    # check_server_args: `if cfg.enable_priority_scheduling: assert cfg.schedule_policy in [...]`
+    hook = sglang.module("sglang.srt.arg_groups.validation_hook")
+    branches = [node for node in ast.walk(hook) if isinstance(node, ast.If)
+                and isinstance(node.test, ast.Attribute) and node.test.attr == PRIORITY_ARG]
+    policies = [ast.literal_eval(node.test.comparators[0]) for branch in branches for statement in branch.body
+                for node in ast.walk(statement) if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Attribute) and node.test.left.attr == "schedule_policy"]
+    assert policies == [list(PRIORITY_SCHEDULE_POLICIES)]
+
+
+def test_the_placement_args_refused_are_server_args_and_cover_sglang_s_world_size(sglang):
+    assert set(PLACEMENT_ARGS) <= set(sglang.server_args_fields())
+    world_size = sglang.function("sglang.srt.server_args", "compute_world_size")
+    # Every factor of the GPUs SGLang takes but tp_size, which the replica's placement holds.
+    assert set(_parameters(world_size)) - {"tp_size"} <= set(PLACEMENT_ARGS)
 
 
 def test_every_model_dtype_is_an_sglang_dtype(sglang):

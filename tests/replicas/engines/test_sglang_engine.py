@@ -119,11 +119,26 @@ def test_launch_args_leave_unset_limits_to_sglang():
     ({"engine_args": {"skip_tokenizer_init": False, "context_length": 9}},
      "must not set \\['context_length', 'skip_tokenizer_init'\\]"),
     ({"tp_size": 0}, "tp_size must be at least 1"),
+    ({"engine_args": {"pp_size": 2}}, "\\['pp_size'\\] must not be set: the replica's placement"),
+    ({"engine_args": {"nnodes": 2, "node_rank": 1, "device": "cpu"}},
+     "\\['device', 'nnodes', 'node_rank'\\] must not be set"),
+    ({"engine_args": {"schedule_policy": "lpm"}}, "schedule_policy 'lpm' cannot be used with priority"),
+    ({"engine_args": {"schedule_policy": "dfs-weight", "enable_priority_scheduling": True}},
+     "set enable_priority_scheduling: false as well"),
 ])
 def test_bad_launch_settings_are_refused(settings, message):
     settings = {"tp_size": 1, "context_length": 512} | settings
     with pytest.raises(ValueError, match=message):
         engine_launch_args("/models/m", **settings)
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"schedule_policy": "fcfs"}, {"schedule_policy": "lof"},
+    {"schedule_policy": "lpm", "enable_priority_scheduling": False},  # the operator gives priority up
+])
+def test_schedule_policies_that_priority_scheduling_takes_or_without_it_are_passed_on(engine_args):
+    args = engine_launch_args("/models/m", tp_size=1, context_length=512, engine_args=engine_args)
+    assert engine_args.items() <= args.items()
 
 
 def test_generate_kwargs_stream_one_request_by_token_ids():
