@@ -29,7 +29,6 @@ STATUS_POLL_SECONDS = 0.5
 PROC_ROOT = "/proc"  # this node's processes, the megaserve ones among them
 DRAIN_MARGIN_SECONDS = 5.0  # Serve's own steps past the replicas' graceful time, as the apps are deleted
 RUNNING, DEPLOY_FAILED = "RUNNING", "DEPLOY_FAILED"  # Serve's ApplicationStatus values
-MULTIPROC_FILES = "*.db"  # prometheus_client's multiprocess files: {kind}_{pid}.db
 
 
 # What `megaserve up` applies of a Serve config; anything else is refused rather than silently
@@ -161,11 +160,14 @@ def _bind_error(host: str, port: int) -> OSError | None:
 def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
     """Fresh metrics folders (counters restart with the cluster) and the demo model, made once
     here rather than raced by every replica."""
+    from megaserve.monitoring.exporter import RECORDER_FILE
+
     for app in app_configs:
         folder = Path(app.metrics.multiproc_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob(MULTIPROC_FILES):  # only prometheus_client's files: the folder
-            stale.unlink()                          # is the user's to name, never rmtree it
+        for stale in folder.iterdir():  # only prometheus_client's files: the folder is the user's to name
+            if RECORDER_FILE.match(stale.name):
+                stale.unlink()
         if app.model.path is None:
             from megaserve.replicas.models.demo import ensure_demo_model
 

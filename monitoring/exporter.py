@@ -32,7 +32,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, multiprocess
+from prometheus_client import CollectorRegistry, Gauge, multiprocess
 from prometheus_client.exposition import MetricsHandler
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -42,7 +42,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the recording processes are gone
 STOP_CHECK_SECONDS = 0.2  # how soon a stop signal (or a port it can never bind) ends the serving
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+?_(\d+)\.db$")
-_RECORDER_FILE = re.compile(r"^\w+?_(\d+)\.db$")  # prometheus_client's "<kind>_<pid>.db", one per process
+# prometheus_client's "<kind>_<pid>.db", one per kind and process: a counter, histogram or summary,
+# or "gauge_<multiprocess_mode>". Nothing else in the folder, which the user names, is ours.
+RECORDER_FILE = re.compile(
+    rf"^(?:counter|histogram|summary|gauge_(?:{'|'.join(sorted(Gauge._MULTIPROC_MODES))}))_(\d+)\.db$")
 
 log = logging.getLogger(__name__)
 _started: set[tuple[str, int]] = set()
@@ -153,7 +156,7 @@ def recording_processes(folder: str, proc_root: str, own_pid: int) -> list[int]:
     proc filesystem at proc_root shows them, but own_pid."""
     pids = set()
     for name in os.listdir(folder):
-        match = _RECORDER_FILE.match(name)
+        match = RECORDER_FILE.match(name)
         if match and int(match.group(1)) != own_pid:
             pids.add(int(match.group(1)))
     return sorted(pid for pid in pids if _running_in(proc_root, pid))

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from megaserve.deploy.config import AppConfig
-from megaserve.deploy.local import refuse_a_taken_http_port, refuse_unservable_model_dirs
+from megaserve.deploy.env import Environment
+from megaserve.deploy.local import _prepare_node, refuse_a_taken_http_port, refuse_unservable_model_dirs
 from tests.live import free_port
 from tests.model_factory import make_tiny_model
 
@@ -152,6 +153,20 @@ def test_a_metrics_folder_that_running_processes_record_into_is_refused_and_kept
 
 def _app_serving(model_path) -> AppConfig:
     return AppConfig.model_validate({"model": {"path": str(model_path)}})
+
+
+def test_a_fresh_start_clears_only_prometheus_client_s_files_from_the_metrics_folder(tmp_path):
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    stale = ["counter_12.db", "histogram_12.db", "gauge_livesum_12.db", "gauge_mostrecent_7.db"]
+    the_user_s = ["app.db", "counter_x.db", "cache_12.db", "gauge_12.db", "notes.txt"]
+    for name in stale + the_user_s:
+        (folder / name).write_bytes(b"")
+    app = AppConfig.model_validate({"model": {"path": str(tmp_path / "model")},
+                                    "metrics": {"multiproc_dir": str(folder)}})
+    _prepare_node([app], Environment(home=tmp_path / "home", kernel_cache=tmp_path / "kernels",
+                                     api_keys=()))
+    assert sorted(p.name for p in folder.iterdir()) == sorted(the_user_s)
 
 
 def test_an_incomplete_model_path_is_refused_by_what_it_lacks(tmp_path):

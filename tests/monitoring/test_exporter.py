@@ -14,10 +14,11 @@ import threading
 import time
 import urllib.request
 
+import prometheus_client
 import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
-from megaserve.monitoring.exporter import recording_processes, start_node_exporter
+from megaserve.monitoring.exporter import RECORDER_FILE, recording_processes, start_node_exporter
 from tests.live import free_port, wait_until
 
 UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
@@ -35,6 +36,30 @@ RECORDER = textwrap.dedent("""
     print("ready", flush=True)
     time.sleep(600)
 """)
+
+
+EVERY_KIND = textwrap.dedent("""
+    from prometheus_client import Counter, Gauge, Histogram, Summary
+    Counter("c", "c").inc()
+    Histogram("h", "h").observe(1)
+    Summary("s", "s").observe(1)
+    for mode in sorted(Gauge._MULTIPROC_MODES):
+        Gauge(f"g_{mode}", "g", multiprocess_mode=mode).set(1)
+""")
+
+
+def test_every_file_prometheus_client_writes_is_a_recorder_s_and_names_its_pid(tmp_path):
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder))
+    proc = subprocess.run([sys.executable, "-c", EVERY_KIND], env=env, check=True)
+    names = sorted(p.name for p in folder.iterdir())
+    assert len(names) == 3 + len(prometheus_client.Gauge._MULTIPROC_MODES)  # one file per kind
+    pids = {RECORDER_FILE.match(name).group(1) for name in names}
+    assert len(pids) == 1 and pids != {str(os.getpid())}
+    assert proc.returncode == 0
+    for name in ("app.db", "counter_x.db", "cache_12.db", "gauge_12.db", "counter_12.db.bak"):
+        assert not RECORDER_FILE.match(name), name
 
 
 def _scrape(port: int) -> dict[str, float]:
