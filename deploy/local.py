@@ -58,9 +58,12 @@ def load_serve_config(path: str | None) -> dict[str, Any]:
     from ray.serve.schema import ServeDeploySchema  # pydantic, no cluster: what `serve deploy` checks
 
     try:
-        ServeDeploySchema.model_validate(config)
+        schema = ServeDeploySchema.model_validate(config)
     except ValidationError as error:
         raise ValueError(f"{name}: {describe(error)}") from None
+    if isinstance(config.get("http_options"), dict):  # as Serve reads them: port "8000" is 8000
+        given = set(config["http_options"])
+        config["http_options"] = schema.http_options.model_dump(include=given)
     return config
 
 
@@ -143,6 +146,9 @@ def refuse_metrics_in_use(app_configs: list[AppConfig]) -> None:
         if error is not None and error.errno == errno.EADDRINUSE:
             raise ValueError(f"metrics.port {app.metrics.port} on {app.metrics.bind_host} is in use: another "
                              "megaserve on this node? Stop it, or give this one a metrics.port of its own")
+        if error is not None:  # the node exporter would log it and serve nothing
+            raise ValueError(f"cannot serve the metrics on {app.metrics.bind_host}:{app.metrics.port} "
+                             f"(metrics.bind_host, metrics.port): {error.strerror or error}")
 
 
 def _bind_error(host: str, port: int) -> OSError | None:

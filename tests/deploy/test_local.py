@@ -16,6 +16,7 @@ from tests.live import free_port
 from tests.model_factory import make_tiny_model
 
 BUILDER = "megaserve.deploy.builder:build_app"
+UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
 
 
 def _up(config_path) -> subprocess.CompletedProcess:
@@ -38,13 +39,17 @@ def _up(config_path) -> subprocess.CompletedProcess:
      'Found multiple configs for application "default"'),
     (yaml.safe_dump({"applications": [{"import_path": BUILDER, "args": {"metrics": {"port": 8000}}}]}),
      "metrics.port 8000 is the HTTP port too"),
+    (yaml.safe_dump({"http_options": {"port": "8000"},  # Serve reads it as the number
+                     "applications": [{"import_path": BUILDER, "args": {"metrics": {"port": 8000}}}]}),
+     "metrics.port 8000 is the HTTP port too"),
     (yaml.safe_dump({"applications": [{"import_path": BUILDER, "runtime_env": {"pip": ["x"]},
                                        "deployments": [{"name": "RouterDeployment"}]}],
                      "logging_config": {"encoding": "JSON"}}),
      "megaserve up does not apply logging_config, applications[].deployments, applications[].runtime_env; "
      "run the file with `serve run`"),
 ], ids=["missing-file", "bad-yaml", "no-applications", "no-import-path", "invalid-app-config", "serve-schema",
-        "http-options-not-a-mapping", "two-default-apps", "metrics-port-is-http-port", "not-applied"])
+        "http-options-not-a-mapping", "two-default-apps", "metrics-port-is-http-port",
+        "metrics-port-is-http-port-as-text", "not-applied"])
 def test_a_bad_config_is_one_message_and_exit_code_2(tmp_path, config, message):
     path = tmp_path / "serve.yaml"
     if config is not None:
@@ -131,6 +136,17 @@ def test_a_metrics_port_in_use_is_one_message(tmp_path):
                                                    "multiproc_dir": str(tmp_path / "metrics")}))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"megaserve up: metrics.port {port} on 127.0.0.1 is in use" in done.stderr
+    assert "starting Ray" not in done.stdout
+
+
+@pytest.mark.parametrize("host", [UNASSIGNED_ADDRESS, "no-such-host.invalid"])
+def test_a_metrics_address_that_cannot_be_served_is_one_message(tmp_path, host):
+    port = free_port()
+    done = _up(_config_with_metrics(tmp_path, {"port": port, "bind_host": host,
+                                               "multiproc_dir": str(tmp_path / "metrics")}))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert (f"megaserve up: cannot serve the metrics on {host}:{port} (metrics.bind_host, metrics.port): "
+            in done.stderr)
     assert "starting Ray" not in done.stdout
 
 
