@@ -129,7 +129,8 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
         if error.code == HTTPStatus.UNAUTHORIZED:  # the server's message knows nothing of this CLI's flags
             hint = ("; the key given (--api-key or MEGASERVE_API_KEY) was refused" if api_key
                     else "; give it a key it accepts with --api-key KEY (or MEGASERVE_API_KEY)")
-        print(f"megaserve generate: {url} answered {error.code}: {error.read().decode()}{hint}", file=sys.stderr)
+        body = error.read().decode(errors="replace")  # a proxy's error page need not be UTF-8
+        print(f"megaserve generate: {url} answered {error.code}: {body}{hint}", file=sys.stderr)
     except urllib.error.URLError as error:
         print(f"megaserve generate: cannot reach {url}: {error.reason}", file=sys.stderr)
     except (ValueError, http.client.HTTPException, OSError) as error:  # a bad URL, an answer cut short or not JSON
@@ -177,14 +178,15 @@ def _stream_from_server(args: argparse.Namespace, url: str, api_key: str | None)
                 continue
             if not line.startswith(SSE_DATA):
                 continue
-            chunk = json.loads(line[len(SSE_DATA):])
+            chunk = _stream_chunk(line[len(SSE_DATA):])
             if "error" in chunk:  # a failure after the 200: the router's last event
-                message = (chunk["error"] or {}).get("message") or "no message"
+                error = chunk["error"]
+                message = (error.get("message") if isinstance(error, dict) else error) or "no message"
                 print(f"\nmegaserve generate: {url} failed mid-stream: {message}", file=sys.stderr)
                 return 2
             usage = chunk.get("usage") or usage
             timing = chunk.get("timing") or timing  # the router's extension, with usage
-            for choice in chunk.get("choices", []):
+            for choice in chunk["choices"]:
                 finish_reason = choice.get("finish_reason") or finish_reason
                 piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                 if piece:
@@ -192,8 +194,10 @@ def _stream_from_server(args: argparse.Namespace, url: str, api_key: str | None)
                     pieces.append(piece)
                     if not args.json:
                         print(piece, end="", flush=True)
-    if not done:
-        raise ServerAnswerError("the stream ended before its [DONE]: the connection was cut")
+    if not done:  # on a line of its own, after the text that came
+        print(f"\nmegaserve generate: {url}: the stream ended before its [DONE]: the connection was cut",
+              file=sys.stderr)
+        return 2
     total = time.perf_counter() - started
     tokens = (usage or {}).get("completion_tokens", len(arrivals))
     ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")
@@ -207,6 +211,18 @@ def _stream_from_server(args: argparse.Namespace, url: str, api_key: str | None)
     else:  # the text is on the screen already
         print(f"\n{summary}", file=sys.stderr)
     return 0
+
+
+def _stream_chunk(data: str) -> dict:
+    """One event of a chat or text completion stream: an object with a list of choice objects (an
+    `error` event may have none)."""
+    chunk = json.loads(data)
+    if isinstance(chunk, dict) and "error" in chunk:
+        return chunk
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list) or not all(isinstance(choice, dict) for choice in choices):
+        raise ServerAnswerError(f"an event of the stream is not a completion chunk: {data[:200]}")
+    return chunk
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

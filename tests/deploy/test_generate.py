@@ -274,16 +274,31 @@ class BrokenServerHandler(http.server.BaseHTTPRequestHandler):
         "/cut/v1/models": json.dumps({"data": [{"id": "m"}]}),
     }
 
-    def do_GET(self):
-        self._send(self.answers[self.path])
+    events = {  # what the stream of each path sends after its 200
+        "/cut": b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n',  # and stops short of its length
+        "/error-text": b'data: {"error": "boom"}\n\n',
+        "/array": b"data: [1, 2]\n\ndata: [DONE]\n\n",
+        "/null-choices": b'data: {"choices": null}\n\ndata: [DONE]\n\n',
+        "/choice-text": b'data: {"choices": ["Hel"]}\n\ndata: [DONE]\n\n',
+    }
 
-    def do_POST(self):  # /cut/v1/chat/completions: the stream ends before its promised length
+    def do_GET(self):
+        if self.path == "/latin-1/v1/models":  # a proxy's error page in another encoding
+            page = "<p>Passerelle occupée</p>".encode("latin-1")
+            self.send_response(502)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+            return
+        self._send(self.answers.get(self.path, json.dumps({"data": [{"id": "m"}]})))
+
+    def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Content-Length", "100000")
         self.end_headers()
-        self.wfile.write(b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n')
+        self.wfile.write(self.events[self.path.removesuffix("/v1/chat/completions")])
 
     def _send(self, text: str) -> None:
         self.send_response(200)
@@ -300,13 +315,20 @@ class BrokenServerHandler(http.server.BaseHTTPRequestHandler):
     ("html", "JSONDecodeError", ""),
     ("empty", "/v1/models lists no model", ""),
     ("cut", "the stream ended before its [DONE]", "Hel"),  # what came is printed, then the error
+    ("error-text", "failed mid-stream: boom", ""),
+    ("array", "an event of the stream is not a completion chunk: [1, 2]", ""),
+    ("null-choices", 'an event of the stream is not a completion chunk: {"choices": null}', ""),
+    ("choice-text", "an event of the stream is not a completion chunk", ""),
+    ("latin-1", "answered 502: <p>Passerelle occup\ufffde</p>", ""),
 ])
 def test_a_server_that_answers_something_else_is_a_one_line_error(path, message, printed):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BrokenServerHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_port}/{path}"
-        assert message in _generate_fails("hi", "--url", url, printed=printed)
+        error = _generate_fails("hi", "--url", url, printed=printed)
+        assert message in error
+        assert error.startswith("\n") or not printed  # the message on a line of its own, after the text
     finally:
         server.shutdown()
 
