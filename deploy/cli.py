@@ -8,12 +8,14 @@ need them (`up`, `generate --url`).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from megaserve.deploy.env import Environment
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 MAX_PORT = 65535
+INTERRUPTED_EXIT = 128 + signal.SIGINT  # a shell's exit status for a process that SIGINT stopped
 
 
 def _port(text: str) -> int:
@@ -106,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         from megaserve.deploy import generate
 
-        if args.model:
-            return generate.run_in_process(args, env)
-        return generate.run_against_server(args, args.url or DEFAULT_URL, env)
+        try:
+            if args.model:
+                return generate.run_in_process(args, env)
+            return generate.run_against_server(args, args.url or DEFAULT_URL, env)
+        except KeyboardInterrupt:  # Ctrl-C: the stream so far stays on the screen, no traceback
+            print("\nmegaserve generate: interrupted", file=sys.stderr)
+            return INTERRUPTED_EXIT
     raise AssertionError(args.command)
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import http.server
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -372,3 +374,41 @@ def test_against_the_server_reports_the_tier(live_stack):
     assert result["completion_tokens"] == 5 and result["finish_reason"] == "length"
     assert result["ttft_ms"] > 0
     assert result["engine_step_ms"] > 0  # the replica's own step time, reported by the router
+
+
+def _ctrl_c_stops() -> None:
+    """SIGINT's default in the child, as in a terminal, even where this test runs with it ignored
+    (a shell's background job): Python then raises KeyboardInterrupt on it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class SlowStreamHandler(BrokenServerHandler):
+    """A stream that sends one piece of text and then nothing, until the client leaves."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n')
+        self.wfile.flush()
+        time.sleep(30)
+
+
+def test_ctrl_c_keeps_the_text_so_far_and_exits_130_without_a_traceback():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowStreamHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    proc = subprocess.Popen([sys.executable, "-m", "megaserve.deploy.cli", "generate", "hi", "--url",
+                             f"http://127.0.0.1:{server.server_port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_stops)
+    try:
+        assert proc.stdout.read(3) == "Hel"  # the stream has begun
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        server.shutdown()
+    assert proc.returncode == 128 + signal.SIGINT
+    assert err == "\nmegaserve generate: interrupted\n" and out == ""
