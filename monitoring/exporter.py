@@ -41,11 +41,11 @@ RETRY_SECONDS = 5.0  # how soon a waiting process takes a freed port over
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the recording processes are gone
 STOP_CHECK_SECONDS = 0.2  # how soon a stop signal (or a port it can never bind) ends the serving
-_LIVE_GAUGE_FILE = re.compile(r"^gauge_live\w+?_(\d+)\.db$")
+_GAUGE_MODES = "|".join(sorted(Gauge._MULTIPROC_MODES))
 # prometheus_client's "<kind>_<pid>.db", one per kind and process: a counter, histogram or summary,
 # or "gauge_<multiprocess_mode>". Nothing else in the folder, which the user names, is ours.
-RECORDER_FILE = re.compile(
-    rf"^(?:counter|histogram|summary|gauge_(?:{'|'.join(sorted(Gauge._MULTIPROC_MODES))}))_(\d+)\.db$")
+RECORDER_FILE = re.compile(rf"^(?:counter|histogram|summary|gauge_(?:{_GAUGE_MODES}))_(\d+)\.db$")
+GAUGE_FILE = re.compile(rf"^gauge_(?:{_GAUGE_MODES})_(\d+)\.db$")
 
 log = logging.getLogger(__name__)
 _started: set[tuple[str, int]] = set()
@@ -68,14 +68,22 @@ def _pid_alive(pid: int) -> bool:
 
 
 def retire_dead_processes(folder: str) -> list[int]:
-    """Remove the live-gauge files of processes that have exited; returns their pids."""
-    dead = set()
+    """Remove the gauge files of processes that have exited, whatever their multiprocess mode; returns
+    their pids. A gauge is a process' present state, which ends with it: SGLang's own gauges (its
+    running and queued requests, in this folder too) are `mostrecent`, which prometheus_client would
+    go on serving from a dead process' file. Counters, histograms and summaries stay: their sums over
+    every process that ever ran must never go down."""
+    dead: dict[int, list[str]] = {}
     for name in os.listdir(folder):
-        match = _LIVE_GAUGE_FILE.match(name)
+        match = GAUGE_FILE.match(name)
         if match and not _pid_alive(int(match.group(1))):
-            dead.add(int(match.group(1)))
-    for pid in dead:
-        multiprocess.mark_process_dead(pid, folder)
+            dead.setdefault(int(match.group(1)), []).append(name)
+    for names in dead.values():
+        for name in names:
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:  # another exporter of the node retired it first
+                pass
     return sorted(dead)
 
 

@@ -25,6 +25,7 @@ UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this 
 
 RECORDER = textwrap.dedent("""
     import sys, time
+    from prometheus_client import Gauge
     from megaserve.monitoring import metrics
     from megaserve.monitoring.exporter import start_node_exporter
     port, tokens = int(sys.argv[1]), int(sys.argv[2])
@@ -32,6 +33,9 @@ RECORDER = textwrap.dedent("""
     metrics.BUSY_REPLICAS.labels(tier="latency", model="m").set(1)
     metrics.KERNEL_LAUNCHES_PER_STEP.labels(tier="latency", model="m", engine=f"e{tokens}").set(tokens)
     metrics.STEP_DURATION.labels(tier="latency", model="m", phase="decode").observe(0.0004)
+    # as SGLang declares its gauges (`sglang:num_running_reqs`), recorded into the same folder
+    Gauge("sglang:num_running_reqs", "running", ["engine"], multiprocess_mode="mostrecent").labels(
+        engine=f"e{tokens}").set(tokens)
     start_node_exporter("127.0.0.1", port, retry_seconds=0.2)
     print("ready", flush=True)
     time.sleep(600)
@@ -117,6 +121,8 @@ def test_another_process_takes_over_and_dead_gauges_are_retired(recorders):
     assert samples['megaserve_generation_tokens_total{model="m",tier="latency"}'] == 7
     launches = 'megaserve_kernel_launches_per_step{{engine="e{}",model="m",tier="latency"}}'
     assert samples[launches.format(4)] == 4 and launches.format(3) not in samples
+    running = 'sglang:num_running_reqs{{engine="e{}"}}'  # a gauge of another mode than ours goes too
+    assert samples[running.format(4)] == 4 and running.format(3) not in samples
 
 
 def test_a_host_it_cannot_bind_is_logged_once_not_retried(caplog):
