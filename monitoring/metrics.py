@@ -119,8 +119,10 @@ def start_router_series(model: str, tiers: tuple[str, ...]) -> None:
     """Every label set of the router's counters and histograms, at zero from the router's start:
     Prometheus takes a series' first sample as its beginning, so rate() and increase() would miss
     whatever a series was created with (the first rejection of a kind, the first request of a tier,
-    its time to first token: the cold one, often the slowest)."""
+    its time to first token: the cold one, often the slowest). And each tier's queue depth, so that
+    a queue no request has waited in yet reads 0, not no data."""
     for tier in tiers:
+        QUEUE_DEPTH.labels(tier=tier, model=model)
         for series in (PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_DURATION):
             series.labels(tier=tier, model=model)
         for reason in ROUTE_REASONS:

@@ -1,5 +1,6 @@
 """The router's counters and histograms exist at zero for every label set from the start, so that
-Prometheus' rate() and increase() count their first increments and observations."""
+Prometheus' rate() and increase() count their first increments and observations; its queue depths
+too, so that an empty queue reads 0."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from megaserve.monitoring.metrics import (
     GENERATION_TOKENS,
     INTER_TOKEN_LATENCY,
     PROMPT_TOKENS,
+    QUEUE_DEPTH,
     REJECTED_REQUESTS,
     REJECTION_REASONS,
     ROUTE_REASONS,
@@ -48,6 +50,13 @@ def test_every_label_set_of_the_router_histograms_starts_at_zero():
         counts = {s.labels["tier"]: s.value for m in histogram.collect() for s in m.samples
                   if s.name.endswith("_count") and s.labels.get("model") == MODEL}
         assert counts == {tier: 0.0 for tier in TIERS}, histogram
+
+
+def test_every_tier_s_queue_depth_reads_zero_from_the_start():
+    start_router_series(MODEL, TIERS)
+    depths = {s.labels["tier"]: s.value for m in QUEUE_DEPTH.collect() for s in m.samples
+              if s.labels.get("model") == MODEL}
+    assert depths == {tier: 0.0 for tier in TIERS}
 
 
 def test_the_label_values_are_every_one_the_router_uses():
