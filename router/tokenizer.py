@@ -138,6 +138,11 @@ class IncrementalDetokenizer:
         kept = (token for token in reversed(prompt_ids) if not self._skipped(token))
         context = list(itertools.islice(kept, PROMPT_CONTEXT_TOKENS))
         context.reverse()
+        # A window that begins inside a character starts at the next one. Byte-fallback pieces
+        # (SentencePiece's <0xF0>...) of a broken run decode as one U+FFFD per byte, whole
+        # characters after them too, which the check below would take for a broken end.
+        while context and self._decode(context).startswith(REPLACEMENT_CHAR):
+            del context[0]
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # a prompt that ends inside a character: its text cannot be a prefix
         self._window: list[int] = context  # context ids, then ids not yet emitted

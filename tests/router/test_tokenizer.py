@@ -15,7 +15,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from megaserve.replicas.models.demo import EOT_TOKEN, ensure_demo_model
-from megaserve.router.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from megaserve.router.tokenizer import PROMPT_CONTEXT_TOKENS, ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tests.model_factory import sentencepiece_style_tokenizer
 
 LONG_PROMPT_REPEATS = 40_000  # ~2 MB of text: about a second of tokenizing
 TICK_SECONDS = 0.005
@@ -183,6 +184,23 @@ def test_the_first_generated_word_keeps_its_space_where_the_decoder_strips_a_str
     assert deltas == [" Paris", " is"]
     assert "The capital of France is" + "".join(deltas) + detokenizer.finish() == \
         sentencepiece_tokenizer.decode(prompt + generated)
+
+
+def test_the_first_word_keeps_its_space_after_a_prompt_that_ends_in_byte_pieces():
+    # Byte-fallback pieces, as Llama 2's and Mistral's tokenizers spell a rare character: a context
+    # window that begins inside a character decodes as U+FFFD for each of its bytes, whole
+    # characters after them too.
+    byte_pieces = [f"<0x{value:02X}>" for value in range(256)]
+    backend = sentencepiece_style_tokenizer(["<unk>", "▁I", "▁like", "▁and", "▁cats", *byte_pieces])
+    tokenizer, vocab = Tokenizer(backend, {}, None), backend.get_vocab()
+    emojis = [vocab[byte_pieces[value]] for value in "😀😀".encode()]
+    prompt, generated = [vocab["▁I"], vocab["▁like"], *emojis], [vocab["▁and"], vocab["▁cats"]]
+    assert len(emojis) > PROMPT_CONTEXT_TOKENS > len("😀".encode())  # the window starts inside the first
+    assert tokenizer.decode(prompt) == "I like😀😀"
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detokenizer.push(token) for token in generated]
+    assert deltas == [" and", " cats"]
+    assert tokenizer.decode(prompt) + "".join(deltas) + detokenizer.finish() == tokenizer.decode(prompt + generated)
 
 
 def test_a_prompt_that_ends_inside_a_character_is_no_context(ours):
