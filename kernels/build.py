@@ -1,9 +1,12 @@
 """Compile the decode megakernel with NVRTC (through cuda.core) and keep the cubins on disk.
 
-A cache entry is keyed by the hash of every kernel source file, the target arch, the kernel's
-name expression (which carries the model shape and the timing flag), the compiler options and the
-NVRTC version; it holds the cubin and a small JSON record with the mangled symbol and the cubin's
-own hash, so that a truncated or corrupt entry is detected and rebuilt rather than loaded.
+A cache entry is keyed by the hash of every kernel source file (the C++ files of the source folder
+and its subfolders, all that the kernels may include), the target arch, the kernel's name expression
+(which carries the model shape and the timing flag), the compiler options, cuda.core's version
+(whose defaults fill in the rest of NVRTC's command line), the NVRTC version and the CUDA headers.
+It holds the cubin and a small JSON record with the mangled symbol and the cubin's own hash, so
+that a truncated or corrupt entry is detected and rebuilt rather than loaded. A cache folder that
+cannot be written (a read-only, prebuilt one) still gives every kernel, compiled afresh.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import functools
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import struct
@@ -19,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import cuda.core
 import cuda.pathfinder
 from cuda.bindings import nvrtc
 from cuda.core import ObjectCode, Program, ProgramOptions
@@ -30,12 +35,17 @@ MAIN_SOURCE = "decode_step.cu"
 BARRIER_PROBE_SOURCE = "barrier_probe.cu"
 BARRIER_PROBE_NAME = "megakernel::barrier_probe"
 CODE_PROBE_TEMPLATE = "megakernel::barrier_after_code<{steps}>"
-SOURCE_SUFFIXES = (".cu", ".cuh")
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inc", ".inl")  # the files a kernel may include
 CXX_STANDARD = "c++17"
+# NVRTC's options but the target and the include path (which differ per build and per machine).
+COMPILE_OPTIONS = {"std": CXX_STANDARD}
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
 PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
 PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+log = logging.getLogger(__name__)
 
 
 class KernelBuildError(RuntimeError):
@@ -111,11 +121,12 @@ def arch_for(compute_capability: tuple[int, int]) -> str:
 
 
 def source_files(source_dir: Path = SOURCE_DIR) -> dict[str, str]:
-    """The kernel sources in `source_dir` (this package's own by default), by file name."""
+    """The kernel sources in `source_dir` (this package's own by default) and its subfolders, by
+    path relative to it: every file a kernel may include."""
     return {
-        path.name: path.read_text()
-        for path in sorted(source_dir.iterdir())
-        if path.suffix in SOURCE_SUFFIXES
+        path.relative_to(source_dir).as_posix(): path.read_text()
+        for path in sorted(source_dir.rglob("*"))
+        if path.suffix in SOURCE_SUFFIXES and path.is_file()
     }
 
 
@@ -179,15 +190,17 @@ def headers_fingerprint() -> str:
 
 
 def _options(arch: str, source_dir: Path, ptxas_verbose: bool = False) -> ProgramOptions:
-    return ProgramOptions(arch=arch, std=CXX_STANDARD, include_path=[str(source_dir), *_include_dirs()],
-                          ptxas_options=["-v"] if ptxas_verbose else None)
+    return ProgramOptions(arch=arch, include_path=[str(source_dir), *_include_dirs()],
+                          ptxas_options=["-v"] if ptxas_verbose else None, **COMPILE_OPTIONS)
 
 
 def cache_key(sources: dict[str, str], arch: str, name_expression: str) -> str:
     digest = hashlib.sha256()
     for name, text in sorted(sources.items()):
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
-    for part in (arch, name_expression, CXX_STANDARD, nvrtc_version(), headers_fingerprint(), str(CACHE_FORMAT)):
+    options = json.dumps(COMPILE_OPTIONS, sort_keys=True)
+    for part in (arch, name_expression, options, cuda.core.__version__, nvrtc_version(), headers_fingerprint(),
+                 str(CACHE_FORMAT)):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()
 
@@ -235,7 +248,11 @@ class KernelCache:
         if cached is not None:
             return cached
         compiled = compile_source(sources[source_name], arch, name_expression, self.source_dir)
-        self._write(key, compiled)
+        try:
+            self._write(key, compiled)
+        except OSError as error:  # a read-only (prebuilt, shared) cache: compiled again next time
+            log.warning("kernel cache %s: cannot store %s (%s); using it uncached", self.directory,
+                        name_expression, error)
         return compiled
 
     def _paths(self, key: str) -> tuple[Path, Path]:

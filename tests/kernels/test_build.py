@@ -205,6 +205,39 @@ def test_a_cache_builds_from_the_source_folder_it_is_given(tmp_path):
     assert shrunk > 0
 
 
+def test_an_edited_header_of_a_subfolder_is_a_cache_miss(tmp_path):
+    """Every C++ file a kernel may include is in the key, not only the top-level .cu and .cuh."""
+    variant = _source_copy(tmp_path)
+    (variant / "tuning").mkdir()
+    header = variant / "tuning" / "probe.h"
+    header.write_text("constexpr int kProbeValue = 1;\n")
+    probe = variant / "barrier_probe.cu"
+    probe.write_text(probe.read_text() + '#include "tuning/probe.h"\n'
+                     'static_assert(kProbeValue == 1, "the header is read afresh");\n')
+    cache = KernelCache(tmp_path / "cache", variant)
+    assert not cache.barrier_probe(HOPPER).from_cache
+    header.write_text("constexpr int kProbeValue = 2;\n")
+    with pytest.raises(KernelBuildError, match="the header is read afresh"):  # compiled again, not served
+        cache.barrier_probe(HOPPER)
+
+
+def test_changed_compiler_options_change_the_key(monkeypatch):
+    from megaserve.kernels import build
+
+    sources, name = source_files(), TINY.kernel_name(False)
+    before = cache_key(sources, HOPPER, name)
+    monkeypatch.setattr(build, "COMPILE_OPTIONS", build.COMPILE_OPTIONS | {"lineinfo": True})
+    assert cache_key(sources, HOPPER, name) != before
+
+
+def test_a_cache_that_cannot_be_written_still_gives_the_compiled_kernel(caplog):
+    cache = KernelCache(Path("/proc/megaserve-kernels"))  # a folder no one may create
+    with caplog.at_level("WARNING", logger="megaserve.kernels.build"):
+        built = cache.barrier_probe(HOPPER)
+    assert built.cubin.startswith(CUBIN_MAGIC) and not built.from_cache
+    assert "cannot store megakernel::barrier_probe" in caplog.text
+
+
 def test_a_broken_variant_fails_with_the_compiler_log(tmp_path):
     variant = _source_copy(tmp_path, '\nstatic_assert(false, "variant under test");\n')
     with pytest.raises(KernelBuildError, match="variant under test"):

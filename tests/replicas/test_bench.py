@@ -110,6 +110,9 @@ def test_kernel_sources_are_timed_beside_the_package_s_own(tmp_path):
     (["--out", "MISSING/bench.json"], "not a file in an existing folder"),
     (["--out", "EMPTY"], "not a file in an existing folder"),
     (["--kernel-cache", "FILE"], "is not a folder"),
+    (["--out", "/proc/bench.json"], "cannot be written"),  # a folder no one may create files in
+    # past Qwen3-8B's 40,960 positions once the timed steps' positions are added
+    (["--models", "Qwen3-8B", "--contexts", "1024", "40960"], "contexts [40960] are past Qwen3-8B's 40,960"),
 ])
 def test_bad_kernel_sources_rounds_and_paths_are_refused(tmp_path, capsys, argv, message):
     (tmp_path / "empty").mkdir()
@@ -252,3 +255,34 @@ def test_the_report_is_written_after_each_model_so_a_run_cut_short_keeps_them(tm
     report = json.loads(out.read_text())
     assert report["finished"] is False
     assert [r["model"] for r in report["results"]] == ["Llama-3.2-1B", "Llama-3.1-8B"]
+
+
+def test_a_gpu_the_kernels_do_not_take_still_times_the_baselines(tmp_path, monkeypatch, capsys):
+    def refuse(cache, device):
+        raise KernelBuildError("the megakernel needs a Hopper or newer GPU (sm_90+); this one is sm_80")
+
+    def bench_model(name, contexts, methods, caches, rounds, bandwidth, log):
+        return [Result(name, 1024, "eager", 10.0, 100.0, 700, 0.1)]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "older GPU")
+    monkeypatch.setattr(bench, "read_bandwidth", lambda device: 2e12)
+    monkeypatch.setattr(bench, "time_grid_barrier", refuse)
+    monkeypatch.setattr(bench, "bench_model", bench_model)
+    out = tmp_path / "bench.json"
+    argv = ["--kernel-cache", str(tmp_path / "cache"), "--out", str(out), "--models", "Llama-3.2-1B",
+            "--methods", "eager"]
+    assert bench.main(argv) == 0
+    assert json.loads(out.read_text())["grid_barrier_seconds"] is None
+    captured = capsys.readouterr()
+    assert "grid barrier not timed: the megakernel needs a Hopper" in captured.err
+    assert "one grid barrier: not timed" in captured.out and "Llama-3.2-1B" in captured.out
+
+
+def test_the_report_s_file_is_tried_for_writing_and_left_as_it_was(tmp_path):
+    out = tmp_path / "bench.json"
+    parse_args(["--kernel-cache", str(tmp_path / "cache"), "--out", str(out)])
+    assert not out.exists()  # a new file is not left behind by the check
+    out.write_text("an earlier report")
+    parse_args(["--kernel-cache", str(tmp_path / "cache"), "--out", str(out)])
+    assert out.read_text() == "an earlier report"
