@@ -126,7 +126,7 @@ class TorchEngine(StepThreadEngine):
             outbox = StreamOutbox()
             self._drop_cancelled()
             self._admit(outbox)
-            if self._running:
+            if self._running and not self._queue.closed:  # a shutdown during the prefills: stop now
                 self._decode(outbox)
             outbox.flush()
 
@@ -141,7 +141,7 @@ class TorchEngine(StepThreadEngine):
             self._release(seq)
 
     def _admit(self, outbox: StreamOutbox) -> None:
-        while self._free_slots:
+        while self._free_slots and not self._queue.closed:  # closed: the rest end ABORT unprefilled
             seq = self._queue.pop()
             if seq is None:
                 return

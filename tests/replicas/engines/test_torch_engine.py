@@ -304,6 +304,33 @@ async def test_shutdown_aborts_pending_streams_and_refuses_new_ones(make_engine)
         engine.generate(_request(_prompt(3, 20)))
 
 
+async def test_a_shutdown_during_a_prefill_admits_nothing_more(make_engine, monkeypatch):
+    engine = make_engine(max_batch=4, coalesce=ONE_BY_ONE)
+    forwards = []
+    forward = engine.model.forward
+
+    def forward_until_shut_down(*args, **kwargs):  # on the engine's thread: the shutdown lands mid-step
+        forwards.append(args[0].shape)
+        while not engine._queue.closed:
+            time.sleep(0.001)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", forward_until_shut_down)
+
+    async def collect(seed: int) -> list[StepOutput]:
+        return [item async for item in engine.generate(_request(_prompt(3, seed), f"r{seed}", max_tokens=50))]
+
+    streams = [asyncio.create_task(collect(seed)) for seed in range(30, 34)]  # room for all four
+    while not forwards:
+        await asyncio.sleep(0.001)  # the first prefill has begun
+    await engine.shutdown()
+    outputs = await asyncio.gather(*streams)
+    # The prefill under way finishes; no other request is prefilled, and no decode step runs.
+    assert forwards == [(1, 3)]
+    assert all(items[-1].finish_reason == FinishReason.ABORT for items in outputs)
+    assert sorted(sum(len(item.token_ids) for item in items) for items in outputs) == [0, 0, 0, 1]
+
+
 async def test_create_engine_builds_a_torch_engine_from_plain_settings(tiny_model_dir):
     engine = create_engine(
         "torch", model_dir=tiny_model_dir, max_batch=2, coalesce_seconds=0.01, coalesce_tokens=8,
