@@ -146,7 +146,7 @@ def _refuse_unsupported(raw: dict[str, Any], family: str) -> None:
 def _rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either `rope_parameters` (transformers 5) or the classic
     `rope_theta` + `rope_scaling` keys."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})  # transformers' precedence
     if params and not all(isinstance(value, (int, float, str)) for value in params.values()):
         raise ValueError(f"config.json rope parameters {params!r} are per layer type; not supported")
     theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from megaserve.replicas.models import CheckpointError, ModelConfig, load_model
@@ -91,6 +92,15 @@ def test_transformers5_keys_read_like_classic_ones():
     modern["rope_parameters"] = {**LLAMA31_8B["rope_scaling"], "rope_theta": 500000.0}
     modern["dtype"] = "bfloat16"
     assert ModelConfig.from_hf_dict(modern) == ModelConfig.from_hf_dict(LLAMA31_8B)
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    # A merged or hand-edited export with both keys: transformers reads rope_scaling
+    # (PreTrainedConfig.convert_rope_params_to_dict), so the reference and the fast paths must too.
+    both = {**LLAMA31_8B, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert ModelConfig.from_hf_dict(both) == ModelConfig.from_hf_dict(LLAMA31_8B)
+    hf = transformers.LlamaConfig(**both)
+    assert hf.rope_parameters["rope_type"] == "llama3" and hf.rope_parameters["rope_theta"] == 500000.0
 
 
 def test_llama3_scaling_slows_only_long_wavelengths():
