@@ -107,7 +107,8 @@ from .engine_metrics import EngineMetrics
 from .stream import Chunk, TokenStream
 
 INSTALL_HINT = "pip install 'megaserve[sglang]'"
-SGLANG_DEFAULTS: dict[str, Any] = {"enable_priority_scheduling": True}
+PRIORITY_ARG = "enable_priority_scheduling"
+SGLANG_DEFAULTS: dict[str, Any] = {PRIORITY_ARG: True}
 OWNED_ARGS = (
     "model_path", "tp_size", "context_length", "dtype", "max_running_requests", "enable_metrics",
     "mem_fraction_static", "skip_tokenizer_init",
@@ -117,7 +118,6 @@ OWNED_ARGS = (
 PLACEMENT_ARGS = (
     "dp_size", "pp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "gpu_id_step", "device",
 )
-PRIORITY_ARG = "enable_priority_scheduling"
 # The schedule policies SGLang's priority scheduling takes (its check_server_args asserts them).
 PRIORITY_SCHEDULE_POLICIES = ("fcfs", "lof")
 INCREMENTAL_ARG = "incremental_streaming_output"
