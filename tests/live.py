@@ -17,6 +17,7 @@ from megaserve.monitoring.promql import METRICS_JOB, RAY_JOB
 from tests.prometheus_server import Prometheus, free_port, running
 
 STARTUP_TIMEOUT_SECONDS = 240
+UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
 
 
 def tiers_are_healthy(base_url: str, tiers: list[str]) -> bool:

@@ -12,11 +12,10 @@ import yaml
 from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
 from megaserve.deploy.local import _prepare_node, refuse_a_taken_http_port, refuse_unservable_model_dirs
-from tests.live import free_port
+from tests.live import UNASSIGNED_ADDRESS, free_port
 from tests.model_factory import make_tiny_model
 
 BUILDER = "megaserve.deploy.builder:build_app"
-UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
 
 
 def _up(config_path) -> subprocess.CompletedProcess:

@@ -19,9 +19,8 @@ import pytest
 from prometheus_client.mmap_dict import MmapedDict
 
 from megaserve.monitoring.exporter import RECORDER_FILE, recording_processes, start_node_exporter
-from tests.live import free_port, wait_until
+from tests.live import UNASSIGNED_ADDRESS, free_port, wait_until
 
-UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
 
 RECORDER = textwrap.dedent("""
     import sys, time
