@@ -73,13 +73,11 @@ def retire_dead_processes(folder: str) -> list[int]:
     running and queued requests, in this folder too) are `mostrecent`, which prometheus_client would
     go on serving from a dead process' file. Counters, histograms and summaries stay: their sums over
     every process that ever ran must never go down."""
-    dead: dict[int, list[str]] = {}
+    dead = set()
     for name in os.listdir(folder):
         match = GAUGE_FILE.match(name)
         if match and not _pid_alive(int(match.group(1))):
-            dead.setdefault(int(match.group(1)), []).append(name)
-    for names in dead.values():
-        for name in names:
+            dead.add(int(match.group(1)))
             try:
                 os.remove(os.path.join(folder, name))
             except FileNotFoundError:  # another exporter of the node retired it first
