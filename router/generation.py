@@ -4,8 +4,10 @@ Each of the request's `n` choices is one `GenerateRequest` to the tier's backend
 are detokenized incrementally; stop strings are matched on the text (the output ends before the
 stop string, finish_reason "stop") and the replica stream is then closed, so the replica stops
 decoding. A stop token id that ends a choice counts as a completion token but adds no text, as in
-vLLM and SGLang by default. Leaving `events()` early (client gone, error) closes every replica
-stream at once.
+vLLM and SGLang by default. A choice that its replica aborts fails the whole request: with the
+replica's error (`GenerationFailed`), or without one, when the engine was shut down, as
+`EngineDeadError`; no answer says "abort". Leaving `events()` early (client gone, error) closes
+every replica stream at once.
 
 Metrics: time to first token (arrival to the first token of any choice), inter-token latency
 (per token after a choice's first, the wall time since the choice's previous output, spread over
@@ -32,13 +34,16 @@ from megaserve.monitoring.metrics import (
     REQUEST_DURATION,
     TIME_TO_FIRST_TOKEN,
 )
-from megaserve.replicas.protocol import FinishReason, GenerateRequest, StepOutput, Tier
+from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier
 from megaserve.router.backend import Backend
 from megaserve.router.streaming import closing
 from megaserve.router.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CANCELLED = "cancelled"  # finish_reason label of a choice whose client went away
 FAILED = "error"  # finish_reason label of a choice that its replica failed, or that was refused
+# An ABORT without an error: the engine was shut down (a rolling update, a scale-down) with the
+# choice unfinished. The request was fine: a 503 to retry, or an error event once streaming.
+STOPPED_BEFORE_THE_END = "the replica was shut down before the generation finished"
 
 
 class GenerationFailed(Exception):
@@ -159,8 +164,10 @@ class Generation:
                 if stopped:
                     final = self._finish(index, released, FinishReason.STOP.value)
                     break
-                if output.finish_reason is FinishReason.ABORT and output.error:
-                    raise GenerationFailed(output.error)
+                if output.finish_reason is FinishReason.ABORT:  # the router closes, never sees, what it cancels
+                    if output.error:
+                        raise GenerationFailed(output.error)
+                    raise EngineDeadError(STOPPED_BEFORE_THE_END)
                 if output.finish_reason is not None:
                     final = self._finish(index, released + matcher.flush(), output.finish_reason.value)
                     break

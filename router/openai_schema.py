@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 from megaserve.replicas.protocol import SEED_MAX, SEED_MIN
 
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
-OpenAIFinishReason = Literal["stop", "length", "abort"]
+OpenAIFinishReason = Literal["stop", "length"]  # a replica's ABORT is an error, never an answer
 
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; vLLM any number; matching cost grows with each
 MAX_TEMPERATURE = 2.0  # OpenAI's bound

@@ -79,7 +79,7 @@ class ResponseBuilder:
 
     def complete(self, deltas: list[Delta], n: int) -> ChatCompletion | Completion:
         texts = ["" for _ in range(n)]
-        finish: list[str] = ["abort"] * n
+        finish: dict[int, str] = {}  # every choice's last delta has one: events() raises otherwise
         for delta in deltas:
             texts[delta.index] += delta.text
             if delta.finish_reason is not None:

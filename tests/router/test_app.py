@@ -1,6 +1,6 @@
 """The router over real TorchEngines on the demo model, through real HTTP: both tiers, streaming
 and not, the tier echoed, usage, stop strings, n, auth, /v1/models and /health; and a replica whose
-engine is dead, through a stand-in backend."""
+engine is dead or shut down, through stand-in backends."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from ray.exceptions import TaskCancelledError
 
-from megaserve.replicas.protocol import EngineDeadError, GenerateRequest, StepOutput, Tier
+from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier
 from megaserve.router.app import SPILLOVER_PRIORITY, create_app
 from megaserve.router.backend import EngineBackend
 from megaserve.router.errors import UNAVAILABLE
@@ -327,6 +327,45 @@ def test_a_dead_engine_is_a_503_to_retry_not_a_400(serve_router, stream):
     error = response.json()["error"]
     assert error["type"] == UNAVAILABLE and error["code"] == "engine_dead"
     assert "engine step failed: RuntimeError: CUDA error" in error["message"]
+
+
+class ShutDownBackend:
+    """A replica whose engine is shut down (a rolling update) while it holds the request: the
+    stream ends with ABORT and no error, after `tokens_first` tokens, as the engines' streams do."""
+
+    def __init__(self, tokens_first: int) -> None:
+        self.tokens_first = tokens_first
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        if self.tokens_first:
+            yield StepOutput([5] * self.tokens_first, [0.001] * self.tokens_first)
+        yield StepOutput([], [], FinishReason.ABORT)
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("tokens_first", [0, 3])
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": HELLO}), ("/v1/completions", {"prompt": "hi"})])
+def test_a_request_its_replica_was_shut_down_under_is_a_503_to_retry_not_a_success(
+        serve_router, tokens_first, path, body):
+    url = serve_router({Tier.LATENCY: ShutDownBackend(tokens_first)}, retry_after_seconds=3)
+    response = httpx.post(url + path, json=body | {"model": MODEL, "service_tier": "priority"}, timeout=30)
+    assert response.status_code == 503 and response.headers["retry-after"] == "3"
+    error = response.json()["error"]
+    assert error["code"] == "engine_dead" and "shut down before the generation finished" in error["message"]
+
+
+def test_a_stream_its_replica_was_shut_down_under_ends_with_an_error_event_not_a_finish(serve_router):
+    url = serve_router({Tier.LATENCY: ShutDownBackend(tokens_first=3)})
+    body = {"model": MODEL, "messages": HELLO, "service_tier": "priority", "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        payloads = sse_payloads(response)
+    assert payloads[-1] == "[DONE]"
+    assert "shut down before the generation finished" in payloads[-2]["error"]["message"]
+    assert all(choice["finish_reason"] is None for chunk in payloads[:-2] for choice in chunk["choices"])
 
 
 @pytest.mark.parametrize("disconnect_errors, status", [((TaskCancelledError,), 499), ((), 500)])
