@@ -134,7 +134,9 @@ class ResponseBuilder:
         if chunk_usage.so_far is not None and "usage" not in extra:
             extra["usage"] = chunk_usage.so_far()
         chunk = kind(**self.common, created=self.created, choices=choices, **extra)
-        exclude = None if chunk_usage.shown else {"usage"}
+        exclude = {"timing"} - extra.keys()  # the timing extension: on the usage chunk only
+        if not chunk_usage.shown:
+            exclude.add("usage")
         return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
 
 

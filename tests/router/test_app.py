@@ -101,8 +101,9 @@ def test_streamed_chat_has_role_first_then_content_then_finish_then_usage(router
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert all(c["usage"] is None for c in chunks)
+    assert all(c["usage"] is None and "timing" not in c for c in chunks)  # the timing: once, at the end
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
+    assert usage_chunk["timing"]["total_seconds"] > 0
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(router_url):
