@@ -100,7 +100,7 @@ class _Router:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         body = await self._read(request, ChatCompletionRequest)
-        messages = [{"role": m.template_role(), "content": m.text()} for m in body.messages]
+        messages = [m.template_message() for m in body.messages]
         try:  # in a worker thread: a long prompt must not stall every other stream of this router
             prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages)
         except ChatTemplateError as error:
@@ -319,9 +319,9 @@ def _validation_error(error: ValidationError) -> APIError:
     deepest = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
     if deepest["type"] == "json_invalid":
         return invalid(f"the body is not valid JSON: {deepest['msg'].removeprefix('Invalid JSON: ')}")
-    if deepest["type"] == UNSUPPORTED_PARAMETER:
-        return invalid(deepest["msg"], deepest["ctx"]["name"], UNSUPPORTED_PARAMETER)
     path = [str(part) for part in deepest["loc"] if not _is_union_tag(part)]
+    if deepest["type"] == UNSUPPORTED_PARAMETER:  # the field's own name ends its path: messages.1.tool_calls
+        return invalid(deepest["msg"], ".".join([*path, deepest["ctx"]["name"]]), UNSUPPORTED_PARAMETER)
     if not path:
         return invalid(f"the body must be a JSON object: {deepest['msg']}")
     param = ".".join(path)

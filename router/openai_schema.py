@@ -4,8 +4,10 @@ Requests are validated strictly (a string where a number belongs is an error, no
 fields OpenAI defines that megaserve does not implement, and vLLM's and SGLang's extensions it does
 not implement, are refused by name when set to anything but their neutral value (or, for a switch
 megaserve implements one way only, to anything but that way), rather than silently ignored; fields
-nobody defines are ignored, as OpenAI does. Extensions, as in vLLM: `top_k`, `stop_token_ids`,
-`ignore_eos`, `stream_options.continuous_usage_stats`. Responses also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute.
+nobody defines are ignored, as OpenAI does; so are a chat message's, but an assistant message's tool
+calls are refused as `tools` is. Extensions, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`,
+`stream_options.continuous_usage_stats`. Responses also carry `timing` (seconds), which OpenAI's
+clients keep as an extra attribute (streams: on the usage chunk).
 """
 
 from __future__ import annotations
@@ -50,7 +52,34 @@ class ContentPart(_Request):
         return self
 
 
-class ChatMessage(_Request):
+class _RefusesUnsupported(_Request):
+    """Refuses each field of `unsupported_neutral` with a value other than its neutral ones, and each
+    field of `implemented_only_as` with a value other than null and its one implemented value."""
+
+    unsupported_neutral: ClassVar[dict[str, Any]] = {}
+    # vLLM's and SGLang's switches megaserve implements one way only, the endpoint's: null means that way too.
+    implemented_only_as: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in cls.unsupported_neutral.items():
+                if name in data and data[name] not in neutral:
+                    raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server",
+                                              {"name": name})
+            for name, value in cls.implemented_only_as.items():
+                if data.get(name) not in (None, value):
+                    raise PydanticCustomError(UNSUPPORTED_PARAMETER,
+                                              "`{name}` is not supported by this server except as {value}",
+                                              {"name": name, "value": json.dumps(value)})
+        return data
+
+
+class ChatMessage(_RefusesUnsupported):
+    # an assistant message's tool calls: refused as `tools` is, not dropped from the prompt unseen
+    unsupported_neutral: ClassVar[dict[str, Any]] = {"tool_calls": (None, []), "function_call": (None,),
+                                                     "audio": (None,)}
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
     name: str | None = None
@@ -60,9 +89,13 @@ class ChatMessage(_Request):
             return self.content
         return "\n".join(part.text or "" for part in self.content)  # as vLLM joins them
 
-    def template_role(self) -> str:
-        """OpenAI's `developer` is the `system` role of every open chat template."""
-        return "system" if self.role == "developer" else self.role
+    def template_message(self) -> dict[str, str]:
+        """The message as chat templates read it: OpenAI's `developer` is the `system` role of every
+        open template; `name`, where given, goes along (vLLM hands templates every field)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 # Fields of OpenAI's API that megaserve does not implement, and the value that means "unused".
@@ -119,12 +152,10 @@ _CHAT_UNSUPPORTED_NEUTRAL: dict[str, Any] = _UNSUPPORTED_NEUTRAL | {
 }
 
 
-class GenerationRequest(_Request):
+class GenerationRequest(_RefusesUnsupported):
     """The sampling fields both endpoints share."""
 
     unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL
-    # vLLM's and SGLang's switches megaserve implements one way only, the endpoint's: null means that way too.
-    implemented_only_as: ClassVar[dict[str, Any]] = {}
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
@@ -139,21 +170,6 @@ class GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     service_tier: ServiceTier | None = None
     user: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, neutral in cls.unsupported_neutral.items():
-                if name in data and data[name] not in neutral:
-                    raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server",
-                                              {"name": name})
-            for name, value in cls.implemented_only_as.items():
-                if data.get(name) not in (None, value):
-                    raise PydanticCustomError(UNSUPPORTED_PARAMETER,
-                                              "`{name}` is not supported by this server except as {value}",
-                                              {"name": name, "value": json.dumps(value)})
-        return data
 
     @field_validator("stream_options")
     @classmethod

@@ -63,6 +63,9 @@ BAD_REQUESTS = {
     "logprobs asked for": (CHAT, chat(logprobs=True), 400, "logprobs"),
     "legacy logprobs 0 (the sampled token's)": (COMPLETIONS, completion(logprobs=0), 400, "logprobs"),
     "tools given": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    "an assistant message's tool_calls": (CHAT, chat(messages=[*HI, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
+        "messages.1.tool_calls"),
     "vLLM's repetition_penalty": (CHAT, chat(repetition_penalty=1.3), 400, "repetition_penalty"),
     "vLLM's min_tokens": (COMPLETIONS, completion(min_tokens=5), 400, "min_tokens"),
     "vLLM's guided_choice": (CHAT, chat(guided_choice=["yes", "no"]), 400, "guided_choice"),
