@@ -25,7 +25,7 @@ from megaserve.monitoring.exporter import MULTIPROC_ENV
 from megaserve.replicas.deployments import LatencyReplica, ReplicaSpec, ThroughputReplica
 from megaserve.replicas.engines.sglang_engine import INSTALL_HINT
 from megaserve.replicas.protocol import Tier
-from megaserve.router.deployment import RouterDeployment
+from megaserve.router.deployment import RouterDeployment, router_max_ongoing_requests
 from megaserve.router.settings import RouterSettings
 
 # NVLink multicast (NVLS) can take a shared host's GPUs out of service; never let NCCL use it.
@@ -260,9 +260,10 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         ).bind(_replica_spec(Tier.THROUGHPUT, tier, tier.engine, tier.max_batch, config, env,
                             directory))
 
+    settings = router_settings(config, env, directory)
     return RouterDeployment.options(
         num_replicas=config.routing.router_replicas,
+        max_ongoing_requests=router_max_ongoing_requests(settings),
         graceful_shutdown_timeout_s=config.router_graceful_shutdown_seconds,
         ray_actor_options={"num_cpus": config.routing.router_cpus, "runtime_env": {"env_vars": process_env}},
-    ).bind(router_settings(config, env, directory), latency, throughput, config.metrics.bind_host,
-           config.metrics.port)
+    ).bind(settings, latency, throughput, config.metrics.bind_host, config.metrics.port)

@@ -36,9 +36,9 @@ from megaserve.router.settings import RouterSettings
 
 HEALTH_CACHE_SECONDS = 2.0  # serve.status() asks the controller: once per interval, not per request
 RUNNING = "RUNNING"  # the ReplicaState of a replica that takes requests
-# Requests one router replica holds at once: each is a cheap coroutine waiting on a stream; the
-# tiers are protected by the router's own slot counts, not by this.
-ROUTER_MAX_ONGOING_REQUESTS = 1000
+# Requests a router replica holds beyond the tiers' slots it may admit: latency requests waiting
+# for a slot, refusals on their way out, /health and /v1/models. Each is a cheap coroutine.
+ROUTER_SPARE_REQUESTS = 1000
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,19 @@ def serve_router_position() -> tuple[int, int]:
     return replica.rank.rank % routers, routers
 
 
+def router_max_ongoing_requests(settings: RouterSettings) -> int:
+    """Serve's limit for one router replica: every slot of both tiers (a router's share is at most
+    all of them: an autoscaled router admits like a single one) plus the spare. Below that, Serve
+    would hold requests that the router admits in its proxy's queue, which has no bound and answers
+    no 429; the tiers are guarded by the router's own slot counts, not by this."""
+    return settings.latency_capacity + settings.throughput_capacity + ROUTER_SPARE_REQUESTS
+
+
 def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-@serve.deployment(max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS)
+@serve.deployment(max_ongoing_requests=ROUTER_SPARE_REQUESTS)
 @serve.ingress()
 class RouterDeployment:
     """HTTP ingress; `latency` / `throughput` are None when that tier is disabled."""

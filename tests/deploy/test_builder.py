@@ -191,6 +191,17 @@ def test_router_settings_hold_the_tiers_whole_capacities(tmp_path):
     assert settings.max_context == 2048
 
 
+def test_serve_never_queues_at_a_router_what_the_router_would_admit(tmp_path):
+    """Serve holds a router's requests past its max_ongoing_requests in the proxy's queue, with no
+    429: the limit must be above every slot the router may admit (here 1 + 4 * 512)."""
+    config = {"model": {"path": str(tmp_path)}, "throughput": {"num_replicas": 4, "max_ongoing_requests": 512}}
+    router = builder.build_app(config)._bound_deployment
+    settings = router.init_args[0]
+    admitted = settings.latency_capacity + settings.throughput_capacity
+    assert admitted == 2049
+    assert router._deployment_config.max_ongoing_requests > admitted
+
+
 def test_the_served_model_was_created_when_the_app_was_built(tmp_path):
     before = int(time.time())
     router = builder.build_app({"model": {"path": str(tmp_path)}})._bound_deployment
