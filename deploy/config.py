@@ -25,6 +25,7 @@ from megaserve.router.settings import (
 )
 
 DEMO_MODEL_NAME = "megaserve-demo"
+MAX_PORT = 65535  # TCP's
 # Longer than a whole 32K-token generation at the megakernel's 8B step time (~4 ms, docs/perf.md);
 # raise it for longer generations, or a batched tier's slower steps.
 DEFAULT_GRACEFUL_SHUTDOWN_SECONDS = 300.0
@@ -267,7 +268,7 @@ class Routing(_Strict):
 
 class Metrics(_Strict):
     port: int = Field(
-        9400, ge=1, le=65535, description="Per-node metrics endpoint (served by one megaserve "
+        9400, ge=1, le=MAX_PORT, description="Per-node metrics endpoint (served by one megaserve "
         "process per node, summing every process' metrics). Neither Serve's HTTP port (refused "
         "where the app is built) nor Ray's metrics export port on a node megaserve runs on (a "
         "warning where the app is built, which cannot know those nodes).",

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from megaserve.deploy.config import AppConfig
+from megaserve.deploy.config import MAX_PORT, AppConfig
 from megaserve.deploy.env import Environment
 
 STATUS_POLL_SECONDS = 0.5
@@ -180,10 +180,21 @@ def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
             _say(f"demo model at {ensure_demo_model(env.home)}")
 
 
-def _builder(app: dict[str, Any]):
-    """The application builder an `import_path` (module:attribute) names."""
-    module, _, attr = app["import_path"].partition(":")
-    return getattr(importlib.import_module(module), attr)
+def _builder(import_path: str):
+    """The application builder an `import_path` names: `module:attribute`, or as Serve also reads
+    it, `module.attribute`."""
+    module, _, attr = import_path.partition(":") if ":" in import_path else import_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as error:  # ValueError: an empty module name
+        raise ValueError(f"import_path {import_path!r} names no application builder: {error}") from None
+
+
+def app_urls(http: dict[str, Any], applications: list[dict[str, Any]]) -> list[str]:
+    """The OpenAI base URL of each application that has a route (route_prefix null: none)."""
+    base = f"http://{http['host']}:{http['port']}"
+    prefixes = (app.get("route_prefix", "/") for app in applications)
+    return [f"{base}{prefix.rstrip('/')}/v1" for prefix in prefixes if prefix is not None]
 
 
 def _deployment_progress(status) -> str:
@@ -208,6 +219,9 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         http = dict(config.get("http_options") or {})
         http["host"] = host if host is not None else http.get("host", "127.0.0.1")
         http["port"] = port if port is not None else http.get("port", 8000)
+        if not 1 <= http["port"] <= MAX_PORT:  # Serve takes any integer; 0 would be a port nobody is told
+            raise ValueError(f"http_options.port must be 1-{MAX_PORT}, got {http['port']}")
+        builders = [_builder(app["import_path"]) for app in applications]
         for app_config in app_configs:
             if app_config.metrics.port == http["port"]:
                 raise ValueError(f"metrics.port {app_config.metrics.port} is the HTTP port too; give it another")
@@ -240,13 +254,14 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
             return 1
         names = [app.get("name", "default") for app in applications]
         try:  # submitted, not awaited: this thread watches them come up and can stop at once
-            serve.run_many([serve.RunTarget(target=_builder(app)(app_config), name=name,
+            serve.run_many([serve.RunTarget(target=builder(app_config), name=name,
                                             route_prefix=app.get("route_prefix", "/"))
-                            for app, app_config, name in zip(applications, app_configs, names)],
+                            for app, builder, app_config, name in zip(applications, builders, app_configs, names)],
                            wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
         except Exception as error:  # noqa: BLE001 - a builder or Serve refused the app: say so, exit 1
             _say(f"deploying failed: {error}")
             return 1
+        deadline = time.monotonic() + timeout  # --timeout: for the replicas, not for Ray's start
         last = ""
         while True:
             if stop.is_set():  # SIGTERM while deploying: stop now, not once the app is ready
@@ -260,14 +275,13 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
             states = [status.applications[n].status.value if n in status.applications else "" for n in names]
             if all(state == RUNNING for state in states):
                 break
-            if DEPLOY_FAILED in states or time.monotonic() - started > timeout:
+            if DEPLOY_FAILED in states or time.monotonic() > deadline:
                 _say("the app did not start; see the messages above and Ray's logs")
                 return 1
             time.sleep(STATUS_POLL_SECONDS)
-        url = f"http://{http['host']}:{http['port']}"
+        urls = ", ".join(app_urls(http, applications)) or "no HTTP routes"
         metrics = ", ".join(f"{c.metrics.bind_host}:{c.metrics.port}" for c in app_configs)
-        _say(f"ready in {time.monotonic() - started:.1f} s: {url}/v1 (metrics on {metrics}); "
-             "Ctrl-C stops")
+        _say(f"ready in {time.monotonic() - started:.1f} s: {urls} (metrics on {metrics}); Ctrl-C stops")
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:

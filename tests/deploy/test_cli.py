@@ -20,11 +20,14 @@ from megaserve.deploy.local import load_serve_config
 from tests.live import free_port
 
 STREAM_TOKENS = 1000  # the demo model on 2 CPU cores: a few seconds of decoding
+ROUTE_PREFIX = "/mega"  # not Serve's default "/": the URL that `up` prints must carry it
 
 
 def _start_up(tmp_path) -> tuple[subprocess.Popen, int]:
-    """`megaserve up` on the default config, in a session of its own; returns it and its port."""
+    """`megaserve up` on the default config with the app at ROUTE_PREFIX, in a session of its own;
+    returns it and its port."""
     config = load_serve_config(None)
+    config["applications"][0]["route_prefix"] = ROUTE_PREFIX
     app = config["applications"][0]["args"]
     app["metrics"] = {"port": free_port(), "bind_host": "127.0.0.1",
                       "multiproc_dir": str(tmp_path / "metrics")}
@@ -75,9 +78,10 @@ def test_up_serves_the_demo_and_stops_on_ctrl_c_once_running_streams_finish(tmp_
     streamed: dict[str, object] = {}
     try:
         _read_until(proc, "ready in", lines)
-        assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
+        url = f"http://127.0.0.1:{port}{ROUTE_PREFIX}/v1"
+        assert any(url in line for line in lines), "".join(lines)
         assert any("demo model at" in line for line in lines)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         reply = client.chat.completions.create(
             model="megaserve-demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         first_answer = time.monotonic() - started

@@ -11,7 +11,14 @@ import yaml
 
 from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
-from megaserve.deploy.local import _prepare_node, refuse_a_taken_http_port, refuse_unservable_model_dirs
+from megaserve.deploy.builder import build_app
+from megaserve.deploy.local import (
+    _builder,
+    _prepare_node,
+    app_urls,
+    refuse_a_taken_http_port,
+    refuse_unservable_model_dirs,
+)
 from tests.live import UNASSIGNED_ADDRESS, free_port
 from tests.model_factory import make_tiny_model
 
@@ -46,9 +53,15 @@ def _up(config_path) -> subprocess.CompletedProcess:
                      "logging_config": {"encoding": "JSON"}}),
      "megaserve up does not apply logging_config, applications[].deployments, applications[].runtime_env; "
      "run the file with `serve run`"),
+    (yaml.safe_dump({"http_options": {"port": 70000}, "applications": [{"import_path": BUILDER}]}),
+     "http_options.port must be 1-65535, got 70000"),
+    (yaml.safe_dump({"http_options": {"port": 0}, "applications": [{"import_path": BUILDER}]}),
+     "http_options.port must be 1-65535, got 0"),
+    (yaml.safe_dump({"applications": [{"import_path": "megaserve.deploy.builder:no_such_builder"}]}),
+     "import_path 'megaserve.deploy.builder:no_such_builder' names no application builder"),
 ], ids=["missing-file", "bad-yaml", "no-applications", "no-import-path", "invalid-app-config", "serve-schema",
         "http-options-not-a-mapping", "two-default-apps", "metrics-port-is-http-port",
-        "metrics-port-is-http-port-as-text", "not-applied"])
+        "metrics-port-is-http-port-as-text", "not-applied", "http-port-past-tcp", "http-port-0", "no-such-builder"])
 def test_a_bad_config_is_one_message_and_exit_code_2(tmp_path, config, message):
     path = tmp_path / "serve.yaml"
     if config is not None:
@@ -230,3 +243,14 @@ def test_bad_arguments_are_refused_by_name(argv, message, capsys):
         _parser().parse_args(["up", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("import_path", [BUILDER, "megaserve.deploy.builder.build_app"])
+def test_an_import_path_names_its_builder_with_a_colon_or_as_serve_also_reads_it_a_dot(import_path):
+    assert _builder(import_path) is build_app
+
+
+def test_each_app_s_url_carries_its_route_prefix_and_an_app_without_a_route_has_none():
+    http = {"host": "127.0.0.1", "port": 8000}
+    apps = [{"import_path": BUILDER}, {"route_prefix": "/mega/"}, {"route_prefix": None}]
+    assert app_urls(http, apps) == ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/mega/v1"]
