@@ -51,6 +51,31 @@ def _absolute(path: str) -> str:
 
 AbsolutePath = Annotated[str, AfterValidator(_absolute)]
 
+RAY_RESOURCE_UNIT = 0.0001  # Ray counts a resource in ten-thousandths
+
+
+def _ray_resource(quantity: float) -> float:
+    # Ray refuses a nonzero request below its unit, but only once the replica is placed.
+    if 0 < quantity < RAY_RESOURCE_UNIT:
+        raise ValueError(f"Ray cannot reserve less than {RAY_RESOURCE_UNIT:g} of a resource, got {quantity:g}")
+    return quantity
+
+
+RayQuantity = Annotated[float, AfterValidator(_ray_resource)]
+
+
+def _ray_label_selector(selector: dict[str, str]) -> dict[str, str]:
+    # Ray's own check, which it runs only once the replica is placed (the app would fail to deploy).
+    from ray._private.label_utils import validate_label_selector
+
+    problem = validate_label_selector(selector)
+    if problem is not None:
+        raise ValueError(problem)
+    return selector
+
+
+RayLabelSelector = Annotated[dict[str, str], AfterValidator(_ray_label_selector)]
+
 
 MEGAKERNEL_DTYPES = ("auto", "bfloat16")  # the kernel is written for bf16; auto loads bf16 there
 
@@ -92,11 +117,11 @@ class TierCommon(_Strict):
         None, min_length=1,  # "" would be a resource no node has: the replicas would wait for ever
         description="Ray accelerator label the replica must land on, e.g. `H200`, `GB300`.",
     )
-    label_selector: dict[str, str] | None = Field(
+    label_selector: RayLabelSelector | None = Field(
         None, description="Ray node labels every node of a replica must carry, e.g. "
         "`{megaserve.io/tier: latency}` to keep a tier on its own KubeRay worker group.",
     )
-    cpus_per_replica: float = Field(1.0, gt=0, description="CPUs reserved per replica.")
+    cpus_per_replica: RayQuantity = Field(1.0, gt=0, description="CPUs reserved per replica.")
     max_seq_len: int = Field(
         2048, ge=16, description="KV-cache length per sequence (prompt + generated tokens)."
     )
@@ -258,7 +283,7 @@ class Routing(_Strict):
         "router can use every tier: with fewer latency replicas than routers, a batch-1 replica may "
         "get a second request, which then waits behind the first instead of spilling over.",
     )
-    router_cpus: float = Field(
+    router_cpus: RayQuantity = Field(
         0.0, ge=0, description="CPUs each router replica reserves (a Ray resource, not a limit). At 0 "
         "Ray may place routers on any node, a head started with num-cpus 0 included (KubeRay's "
         "advice), where they would share its CPUs with the GCS; k8s/rayservice.yaml reserves 1, "

@@ -61,6 +61,12 @@ def test_every_field_has_a_description():
     ({"metrics": {"multiproc_dir": "~/metrics"}}, "metrics.multiproc_dir\n.*must be an absolute path"),
     ({"latency": {"num_replicas": True}}, "latency.num_replicas\n  Input should be a valid integer"),
     ({"throughput": {"max_batch": "8"}}, "throughput.max_batch\n  Input should be a valid integer"),
+    # refused by Ray only once the replicas are placed, the app failing to deploy
+    ({"throughput": {"cpus_per_replica": 0.00001}}, "Ray cannot reserve less than 0.0001 of a resource"),
+    ({"routing": {"router_cpus": 0.00001}}, "routing.router_cpus\n.*Ray cannot reserve less than 0.0001"),
+    ({"latency": {"label_selector": {"megaserve.io/tier": "latency tier"}}},
+     "latency.label_selector\n.*Invalid label selector value `latency tier`"),
+    ({"latency": {"label_selector": {"-bad key": "x"}}}, "latency.label_selector\n"),
 ])
 def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
     with pytest.raises(ValidationError, match=message):
