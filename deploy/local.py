@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import importlib.util
 import os
 import signal
 import socket
@@ -113,6 +114,34 @@ def refuse_unservable_model_dirs(app_configs: list[AppConfig]) -> None:
                 raise ValueError(f"model.path {app.model.path}: the megakernel (the latency tier's engine on "
                                  f"cuda) cannot run this model: {error}; serve it with latency.engine: torch"
                                  ) from None
+
+
+def refuse_what_this_machine_cannot_run(app_configs: list[AppConfig], gpus_here: int) -> None:
+    """Refuse tiers that `megaserve up`'s one node cannot place: more GPUs than it has, a replica
+    spread over several nodes, SGLang where it is not installed. Serve would wait for them for
+    `--timeout` seconds, and then say only that the app did not start."""
+    from megaserve.replicas.engines.sglang_engine import INSTALL_HINT
+
+    for app in app_configs:
+        tiers = {name: tier for name, tier in (("latency", app.latency), ("throughput", app.throughput))
+                 if tier.enabled}
+        for name, tier in tiers.items():
+            if tier.nodes_per_replica > 1:
+                raise ValueError(f"{name}.nodes_per_replica is {tier.nodes_per_replica}, but megaserve up runs "
+                                 "one node; deploy multi-node replicas on a Ray cluster")
+        wanted = {name: tier.num_replicas * tier.gpus_per_node for name, tier in tiers.items() if tier.gpus_per_node}
+        if sum(wanted.values()) > gpus_here:
+            asked = " + ".join(f"{gpus} for {name} (num_replicas x tp_size)" for name, gpus in wanted.items())
+            raise ValueError(f"the tiers need {asked} GPUs, and this machine has {gpus_here}")
+        if "throughput" in tiers and app.throughput.engine == "sglang" and not importlib.util.find_spec("sglang"):
+            raise ValueError(f"throughput.engine is sglang, and SGLang is not installed here: {INSTALL_HINT}")
+
+
+def gpus_on_this_machine() -> int:
+    """The CUDA devices this process can use (CUDA_VISIBLE_DEVICES applied), as the engines see them."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def refuse_a_taken_http_port(host: str, port: int) -> None:
@@ -226,6 +255,7 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
             if app_config.metrics.port == http["port"]:
                 raise ValueError(f"metrics.port {app_config.metrics.port} is the HTTP port too; give it another")
         refuse_unservable_model_dirs(app_configs)
+        refuse_what_this_machine_cannot_run(app_configs, gpus_on_this_machine())
         if config.get("proxy_location") != "Disabled":  # no proxy, nothing listens on the port
             refuse_a_taken_http_port(http["host"], http["port"])
         refuse_metrics_in_use(app_configs)

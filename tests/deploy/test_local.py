@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from megaserve.deploy.local import (
     app_urls,
     refuse_a_taken_http_port,
     refuse_unservable_model_dirs,
+    refuse_what_this_machine_cannot_run,
 )
 from tests.live import UNASSIGNED_ADDRESS, free_port
 from tests.model_factory import make_tiny_model
@@ -59,9 +61,13 @@ def _up(config_path) -> subprocess.CompletedProcess:
      "http_options.port must be 1-65535, got 0"),
     (yaml.safe_dump({"applications": [{"import_path": "megaserve.deploy.builder:no_such_builder"}]}),
      "import_path 'megaserve.deploy.builder:no_such_builder' names no application builder"),
+    (yaml.safe_dump({"applications": [{"import_path": BUILDER, "args": {"latency": {
+        "device": "cuda", "tp_size": 8, "num_replicas": 64}}}]}),
+     "the tiers need 512 for latency (num_replicas x tp_size) GPUs, and this machine has"),
 ], ids=["missing-file", "bad-yaml", "no-applications", "no-import-path", "invalid-app-config", "serve-schema",
         "http-options-not-a-mapping", "two-default-apps", "metrics-port-is-http-port",
-        "metrics-port-is-http-port-as-text", "not-applied", "http-port-past-tcp", "http-port-0", "no-such-builder"])
+        "metrics-port-is-http-port-as-text", "not-applied", "http-port-past-tcp", "http-port-0", "no-such-builder",
+        "more-gpus-than-here"])
 def test_a_bad_config_is_one_message_and_exit_code_2(tmp_path, config, message):
     path = tmp_path / "serve.yaml"
     if config is not None:
@@ -254,3 +260,28 @@ def test_each_app_s_url_carries_its_route_prefix_and_an_app_without_a_route_has_
     http = {"host": "127.0.0.1", "port": 8000}
     apps = [{"import_path": BUILDER}, {"route_prefix": "/mega/"}, {"route_prefix": None}]
     assert app_urls(http, apps) == ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/mega/v1"]
+
+
+def _cuda_app(**tiers) -> AppConfig:
+    return AppConfig.model_validate({name: {"device": "cuda"} | tier for name, tier in tiers.items()})
+
+
+def test_tiers_that_fit_this_machine_s_gpus_are_let_through_and_one_gpu_more_is_refused():
+    app = _cuda_app(latency={"num_replicas": 2, "tp_size": 2}, throughput={"engine": "torch"})
+    refuse_what_this_machine_cannot_run([app], gpus_here=5)
+    with pytest.raises(ValueError, match=r"need 4 for latency \(num_replicas x tp_size\) \+ 1 for throughput "
+                                         r"\(num_replicas x tp_size\) GPUs, and this machine has 4"):
+        refuse_what_this_machine_cannot_run([app], gpus_here=4)
+
+
+@pytest.mark.parametrize("tiers, message", [
+    ({"latency": {"tp_size": 8, "nodes_per_replica": 2}},
+     "latency.nodes_per_replica is 2, but megaserve up runs one node"),
+    ({"throughput": {"engine": "sglang"}},
+     "throughput.engine is sglang, and SGLang is not installed here: pip install"),
+])
+def test_what_one_node_cannot_place_is_refused_before_ray_starts(tiers, message, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=message):
+        refuse_what_this_machine_cannot_run([_cuda_app(**tiers)], gpus_here=8)
