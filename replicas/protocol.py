@@ -68,6 +68,16 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5
 
 
+def is_integer(value: object) -> bool:
+    """An int but not a bool: Python counts True as 1, but no client means `true` as a count, id or seed."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or a float but not a bool (see is_integer)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. `temperature` 0 (or below GREEDY_TEMPERATURE) means greedy (argmax)."""
@@ -81,6 +91,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # Types before ranges: a float seed, top_k or max_tokens passes its range check and fails only on
+        # the engine's step thread (`seed & MASK32`), which ends every stream on the replica, not just this one.
+        integers = {"max_tokens": self.max_tokens, "top_k": self.top_k, "seed": self.seed}
+        for name, value in integers.items():
+            if not is_integer(value) and not (name == "seed" and value is None):
+                raise EngineError(f"{name} must be an integer, got {value!r}")
+        for name, value in {"temperature": self.temperature, "top_p": self.top_p}.items():
+            if not is_number(value):
+                raise EngineError(f"{name} must be a number, got {value!r}")
+        for token in self.stop_token_ids:
+            if not is_integer(token):
+                raise EngineError(f"stop token id {token!r} is not an integer")
         if self.max_tokens < 1:
             raise EngineError(f"max_tokens must be at least 1, got {self.max_tokens}")
         # NaN passes `< 0` and then samples token 0 forever; inf turns logits / temperature into 0s and NaNs.
@@ -183,6 +205,8 @@ class Engine(abc.ABC):
                 f"the prompt has {prompt_len} tokens but the model's context is {self.max_context}"
             )
         for token in request.prompt_token_ids:
+            if not is_integer(token):  # a float id passes the range check and fails on the step thread
+                raise EngineError(f"prompt token id {token!r} is not an integer")
             if not 0 <= token < self.vocab_size:
                 raise EngineError(f"prompt token id {token} is outside the vocabulary [0, {self.vocab_size})")
         wanted = request.sampling.max_tokens

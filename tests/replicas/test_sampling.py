@@ -166,11 +166,13 @@ def test_hash_stays_in_32_bits_for_extreme_inputs():
     assert len(set(h.tolist())) == 4
 
 
-def test_negative_and_the_largest_seeds_draw_reproducibly():
-    logits = _logits(2)
-    params = [SamplingParams(temperature=1.0, seed=-(2**63)), SamplingParams(temperature=1.0, seed=2**63 - 1)]
-    first = _draw(logits, params, [0, 0])
-    assert torch.equal(first, _draw(logits, params, [0, 0]))
+def test_a_seed_s_halves_are_those_of_its_64_bit_twos_complement():
+    """A negative seed is its int64 bit pattern, so every signed 64-bit seed has halves of its own that fit
+    the int64 tensors; the next test shows the high half changing the draws."""
+    seeds = (-(2**63), -1, 2**63 - 1, 2**32 + 5)
+    rows = SamplingRows.build([SamplingParams(temperature=1.0, seed=seed) for seed in seeds], VOCAB, "cpu")
+    halves = list(zip(rows.seed_low.tolist(), rows.seed_high.tolist()))
+    assert halves == [(0, 2**31), (2**32 - 1, 2**32 - 1), (2**32 - 1, 2**31 - 1), (5, 1)]
 
 
 def test_the_high_32_bits_of_a_seed_change_its_draws():
@@ -217,3 +219,27 @@ def test_a_seed_is_a_64_bit_integer_on_every_tier():
     for seed in (2**63, -(2**63) - 1):
         with pytest.raises(EngineError, match="seed must be in"):
             SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_tokens", 2.5, "max_tokens must be an integer, got 2.5"),
+    ("max_tokens", True, "max_tokens must be an integer, got True"),
+    ("top_k", 3.0, "top_k must be an integer, got 3.0"),
+    ("seed", 1.5, "seed must be an integer, got 1.5"),
+    ("seed", False, "seed must be an integer, got False"),
+    ("temperature", "0.7", "temperature must be a number, got '0.7'"),
+    ("temperature", True, "temperature must be a number, got True"),
+    ("top_p", None, "top_p must be a number, got None"),
+    ("stop_token_ids", (2, 3.0), "stop token id 3.0 is not an integer"),
+    ("stop_token_ids", (True,), "stop token id True is not an integer"),
+])
+def test_a_parameter_of_the_wrong_type_is_refused(field, value, message):
+    """Not only where a range check would raise TypeError: a float seed or top_k passes its range
+    check and fails later, on the engine's step thread (`seed & MASK32`). A bool is an int to Python,
+    but no client means `true` as a count, an id or a seed."""
+    with pytest.raises(EngineError, match=f"^{message}$"):
+        SamplingParams(**{field: value})
+
+
+def test_integral_temperatures_and_top_ps_are_numbers():
+    assert SamplingParams(temperature=1, top_p=1) == SamplingParams(temperature=1.0, top_p=1.0)

@@ -249,12 +249,31 @@ async def test_waiting_requests_are_admitted_by_priority_then_arrival(make_engin
         ((1, -1), 4, "outside the vocabulary"),
         ((1,) * 60, 5, "maximum context length is 64 tokens, but 65 were requested"),
         ((1,) * 64, 1, "context is 64"),
+        ((1, 2.0), 4, "prompt token id 2.0 is not an integer"),
+        ((1, True), 4, "prompt token id True is not an integer"),
     ],
 )
 async def test_bad_requests_are_refused_at_the_call(make_engine, prompt, max_tokens, message):
     engine = make_engine(max_seq=64)
     with pytest.raises(EngineError, match=message):
         engine.generate(GenerateRequest("bad", prompt, SamplingParams(max_tokens=max_tokens)))
+
+
+@pytest.mark.parametrize(("prompt", "sampling"), [
+    ((1, 2), {"seed": 1.5}),
+    ((1, 2), {"top_k": 2.0}),
+    ((1, 2), {"max_tokens": 2.5}),
+    ((1, 2), {"stop_token_ids": (7.0,)}),
+    ((1, 2.0), {}),
+])
+async def test_a_request_of_the_wrong_types_is_refused_and_the_engine_serves_on(make_engine, prompt, sampling):
+    """Such a request passes the range checks and would fail on the step thread, ending every
+    stream on the replica: it must be refused as a bad request instead."""
+    engine = make_engine()
+    with pytest.raises(EngineError, match="integer"):
+        await _collect(engine, _request(prompt, **({"max_tokens": 4, "temperature": 1.0} | sampling)))
+    items = await _collect(engine, _request(_prompt(5, seed=1), max_tokens=4, temperature=1.0, seed=7))
+    assert items[-1].finish_reason == FinishReason.LENGTH and len(_tokens(items)) == 4
 
 
 async def test_max_seq_is_clamped_to_the_model_positions(make_engine):
