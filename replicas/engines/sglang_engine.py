@@ -30,8 +30,9 @@ written to PROMETHEUS_MULTIPROC_DIR, the node's megaserve metrics folder, and so
 ours), `mem_fraction_static` (the tier's `sglang_mem_fraction_static`) and `skip_tokenizer_init`
 (always on: token ids in and out, replicas never see text). Any other `ServerArgs` field (e.g.
 chunked_prefill_size) comes through `engine_args`, but for those that would fail only once SGLang
-starts on the GPUs (`check_engine_args`): a placement of its own (PLACEMENT_ARGS), and a schedule
-policy that priority scheduling refuses.
+starts on the GPUs (`check_engine_args`): a placement of its own (PLACEMENT_ARGS), a schedule
+policy that priority scheduling refuses, and priority scheduling off with ABORT_ON_PRIORITY_ARG on
+(SGLang would then abort every request: each one is sent with a priority).
 `enable_priority_scheduling` is on unless `engine_args` says otherwise, so that
 `GenerateRequest.priority` orders SGLang's queue, larger first (SGLang's default direction). A seed
 maps to SGLang's `sampling_seed`, which SGLang honours when started with
@@ -67,6 +68,10 @@ process, so an SGLangEngine needs a process of its own (a Serve replica is one).
 
 Health: a one-token generation, as SGLang's own /health_generate does. Under load the probe may
 wait in SGLang's queue; output reaching any other request in the meantime proves SGLang alive too.
+Where SGLang refuses the probe for its queue (full under `max_queued_requests`, a waiting timeout, a
+higher priority), the probe hears nothing: SGLang reports those refusals as aborts that its
+TokenizerManager drops for health rids, so other requests' output decides, as above. An abort that
+does reach the probe is SGLang failing the request itself (an internal error): unhealthy.
 
 `sglang_sampling_params` (but for an unseeded request's random seed), `own_stop_ids`,
 `engine_launch_args`, `generate_kwargs`, `model_limits` and `OutputReader` are pure and tested
@@ -108,6 +113,8 @@ from .stream import Chunk, TokenStream
 
 INSTALL_HINT = "pip install 'megaserve[sglang]'"
 PRIORITY_ARG = "enable_priority_scheduling"
+# With priority scheduling off, SGLang aborts every request that carries a priority, as ours all do.
+ABORT_ON_PRIORITY_ARG = "abort_on_priority_when_disabled"
 SGLANG_DEFAULTS: dict[str, Any] = {PRIORITY_ARG: True}
 OWNED_ARGS = (
     "model_path", "tp_size", "context_length", "dtype", "max_running_requests", "enable_metrics",
@@ -174,7 +181,8 @@ def generate_kwargs(prompt_token_ids: Sequence[int], sampling_params: Mapping[st
 
 def check_engine_args(engine_args: Mapping[str, Any]) -> None:
     """Refuse `engine_args` that SGLang would fail on only once its processes start on the GPUs:
-    a placement of its own, or a schedule policy that priority scheduling (on by default) refuses."""
+    a placement of its own, a schedule policy that priority scheduling (on by default) refuses, or
+    priority scheduling off with ABORT_ON_PRIORITY_ARG on, which would abort every request."""
     placement = sorted(set(PLACEMENT_ARGS) & set(engine_args))
     if placement:
         raise ValueError(f"{placement} must not be set: the replica's placement decides SGLang's GPUs "
@@ -185,6 +193,9 @@ def check_engine_args(engine_args: Mapping[str, Any]) -> None:
         raise ValueError(f"schedule_policy {policy!r} cannot be used with priority scheduling, which takes "
                          f"{' or '.join(map(repr, PRIORITY_SCHEDULE_POLICIES))}; set {PRIORITY_ARG}: false "
                          f"as well to use it (requests are then no longer ordered by their tier's priority)")
+    if not priority and engine_args.get(ABORT_ON_PRIORITY_ARG, False):
+        raise ValueError(f"{ABORT_ON_PRIORITY_ARG}: true with {PRIORITY_ARG}: false would make SGLang abort every "
+                         f"request, since each one carries its tier's priority; leave {ABORT_ON_PRIORITY_ARG} off")
 
 
 def engine_launch_args(

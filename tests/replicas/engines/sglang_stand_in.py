@@ -10,7 +10,9 @@ aborts ends as SGLang's `_handle_abort_req` ends one: with every id so far, or w
 streaming the last one again (test_sglang_api.py checks that against the source). With
 `enable_metrics` its meta_info carries SGLang's wall-clock "forward_entry_time" and
 "prefill_finished_time" once they have happened; `queue_seconds` is a wait in its queue before the
-first forward. It refuses a context_length past the model's positions unless SGLang's
+first forward. `queue_full` refuses new requests as SGLang's scheduler does past its
+`max_queued_requests`: with an abort that its tokenizer manager drops for a health probe, which so
+hears nothing (test_sglang_api.py checks both against the source). It refuses a context_length past the model's positions unless SGLang's
 SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set, applies SGLang's length limits to the launch's
 context_length and its KV pool (`max_req_len`, the smaller of context_length and `kv_tokens`, less
 one: at most max_req_len - prompt - 1 new tokens, prompts of max_req_len - 5 tokens or more aborted;
@@ -28,6 +30,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ from megaserve.replicas.engines.sglang_engine import LONGER_CONTEXT_ENV  # SGLan
 
 STEP_SECONDS = 0.001
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's (test_sglang_api.py checks the engine's)
+QUEUE_FULL_MESSAGE = "The request queue is full."  # SGLang's (test_sglang_api.py)
 
 
 def stops_on(params: dict[str, Any], token: int) -> bool:
@@ -70,6 +74,7 @@ class StandInSGLang:
         self.requests: list[dict[str, Any]] = []  # the keyword arguments of every async_generate
         self.stalled = False  # new requests get no output at all (a hung scheduler)
         self.failure: Exception | None = None  # new requests fail with this
+        self.queue_full = False  # new requests are refused for a full waiting queue
         self.shut_down = False
         self.queue_seconds = 0.0  # new requests wait this long in the queue before their prefill
 
@@ -80,13 +85,15 @@ class StandInSGLang:
         self.requests.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
                               "priority": priority, "stream": stream})
         self.tokenizer_manager.rid_to_state[rid] = {}
-        return self._outputs(input_ids, sampling_params, rid, self.stalled, self.failure, self.queue_seconds)
+        return self._outputs(input_ids, sampling_params, rid, self.stalled, self.failure, self.queue_seconds,
+                             self.queue_full)
 
     async def _outputs(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
-                       failure: Exception | None, queue_seconds: float) -> AsyncIterator[dict[str, Any]]:
+                       failure: Exception | None, queue_seconds: float,
+                       queue_full: bool) -> AsyncIterator[dict[str, Any]]:
         states = self.tokenizer_manager.rid_to_state
         try:
-            async for output in self._steps(prompt, params, rid, stalled, failure, queue_seconds):
+            async for output in self._steps(prompt, params, rid, stalled, failure, queue_seconds, queue_full):
                 if output["meta_info"]["finish_reason"] is not None:
                     states.pop(rid, None)  # a request that ends, health probes too
                 yield output
@@ -95,11 +102,17 @@ class StandInSGLang:
                 states.pop(rid, None)
 
     async def _steps(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
-                     failure: Exception | None, queue_seconds: float) -> AsyncIterator[dict[str, Any]]:
+                     failure: Exception | None, queue_seconds: float,
+                     queue_full: bool) -> AsyncIterator[dict[str, Any]]:
         if failure is not None:
             raise failure
-        if stalled:
+        health_probe = rid.startswith(HEALTH_CHECK_RID_PREFIX)
+        if stalled or (queue_full and health_probe):
             await asyncio.Event().wait()
+        if queue_full:
+            refusal = {"type": "abort", "message": QUEUE_FULL_MESSAGE, "status_code": HTTPStatus.SERVICE_UNAVAILABLE}
+            yield {"output_ids": [], "meta_info": {"finish_reason": refusal, "completion_tokens": 0}}
+            return
         incremental = self.launch_args.get("incremental_streaming_output", False)
         max_req_len = self.max_req_len
         if len(prompt) >= max_req_len - 5:

@@ -11,14 +11,17 @@ import ast
 import inspect
 import logging
 import os
+import sys
 import tempfile
 import typing
+from http import HTTPStatus
 from types import SimpleNamespace
 
 import pytest
 
 from megaserve.deploy.config import ModelSpec
 from megaserve.replicas.engines.sglang_engine import (
+    ABORT_ON_PRIORITY_ARG,
     CONTEXT_MARGIN,
     FINISH_TYPES,
     HEALTH_RID_PREFIX,
@@ -29,12 +32,18 @@ from megaserve.replicas.engines.sglang_engine import (
     PRIORITY_ARG,
     PRIORITY_SCHEDULE_POLICIES,
     TOP_K_DISABLED,
+    check_engine_args,
     engine_launch_args,
     generate_kwargs,
     sglang_sampling_params,
 )
 from megaserve.replicas.protocol import SEED_MAX, SEED_MIN, SamplingParams
-from tests.replicas.engines.sglang_stand_in import StandInSGLang, StandInTokenizerManager, stops_on
+from tests.replicas.engines.sglang_stand_in import (
+    QUEUE_FULL_MESSAGE,
+    StandInSGLang,
+    StandInTokenizerManager,
+    stops_on,
+)
 from tests.replicas.engines.sglang_source import SGLangSource, keyword_value, pinned_version, type_names, wheel_path
 
 ENGINE = "sglang.srt.entrypoints.engine"
@@ -42,6 +51,7 @@ TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
 SAMPLING = "sglang.srt.sampling.sampling_params"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
 SAMPLING_BATCH = "sglang.srt.sampling.sampling_batch_info"
+SCHEDULER = "sglang.srt.managers.scheduler"
 # ServerArgs fields the docs tell operators to put in throughput.sglang_args.
 DOCUMENTED_ARGS = ("enable_deterministic_inference", "chunked_prefill_size",
                    "enable_priority_scheduling")
@@ -107,6 +117,38 @@ def test_priority_scheduling_takes_exactly_the_schedule_policies_we_let_through(
                 for node in ast.walk(statement) if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
                 and isinstance(node.test.left, ast.Attribute) and node.test.left.attr == "schedule_policy"]
     assert policies == [list(PRIORITY_SCHEDULE_POLICIES)]
+
+
+@pytest.mark.parametrize("priority_scheduling", [False, True])
+@pytest.mark.parametrize("abort_on_priority", [False, True])
+def test_check_engine_args_refuses_exactly_the_priority_settings_that_make_sglang_abort_our_requests(
+        sglang, priority_scheduling, abort_on_priority):
+    """generate_kwargs sends every request with a priority: run SGLang's own
+    Scheduler._set_or_validate_priority on one, with the scheduler's settings from those ServerArgs fields."""
+    assert {PRIORITY_ARG, ABORT_ON_PRIORITY_ARG} <= set(sglang.server_args_fields())
+    scheduler = sglang.cls(SCHEDULER, "Scheduler")
+    init = ast.unparse(sglang.method(scheduler, "__init__"))
+    for name in (PRIORITY_ARG, ABORT_ON_PRIORITY_ARG):
+        assert f"self.{name} = get_schedule().{name}" in init
+    function = sglang.method(scheduler, "_set_or_validate_priority")
+    namespace = {"_make_abort_req": lambda req, finished_reason: SimpleNamespace(finished_reason=finished_reason),
+                 "HTTPStatus": HTTPStatus, "sys": sys}
+    exec(compile(ast.Module([function], type_ignores=[]), "sglang/srt/managers/scheduler.py", "exec"), namespace)
+    aborts: list[SimpleNamespace] = []
+    settings = {PRIORITY_ARG: priority_scheduling, ABORT_ON_PRIORITY_ARG: abort_on_priority}
+    state = SimpleNamespace(**settings, schedule_low_priority_values_first=False,
+                            send_abort_output=lambda abort_req, req: aborts.append(abort_req))
+    request = SimpleNamespace(priority=generate_kwargs((1,), {}, "rid", 0)["priority"],
+                              time_stats=SimpleNamespace(trace_ctx=SimpleNamespace(abort=lambda abort_info: None)))
+    admitted = namespace["_set_or_validate_priority"](state, request)
+    assert admitted is not bool(aborts)
+    try:
+        check_engine_args(settings)
+    except ValueError:
+        refused = True
+    else:
+        refused = False
+    assert refused is not admitted, settings
 
 
 def test_the_placement_args_refused_are_server_args_and_cover_sglang_s_world_size(sglang):
@@ -276,6 +318,20 @@ def test_an_aborted_health_probe_keeps_its_state_and_sglang_s_own_probe_drops_it
     (probe,) = [node for node in ast.walk(sglang.module("sglang.srt.entrypoints.http_server"))
                 if isinstance(node, ast.AsyncFunctionDef) and node.name == "health_generate"]
     assert "_global_state.tokenizer_manager.rid_to_state.pop(rid, None)" in ast.unparse(probe)
+
+
+def test_a_request_past_the_queue_limit_is_refused_by_an_abort_that_a_health_probe_never_hears(sglang):
+    """What the stand-in's queue_full does, and why SGLangEngine._probe need not tell such a refusal from
+    a failure: the scheduler sends it (as the eviction by a higher priority) as an AbortReq, which the
+    tokenizer manager hands to _handle_abort_req, whose first line returns for a health rid (the test above)."""
+    scheduler = sglang.cls(SCHEDULER, "Scheduler")
+    limit = ast.unparse(sglang.method(scheduler, "_abort_on_queued_limit"))
+    assert f"message = {QUEUE_FULL_MESSAGE!r}" in limit
+    assert "self.send_abort_output(_make_abort_req(req_to_abort, finished_reason=" in limit
+    send = ast.unparse(sglang.method(scheduler, "send_abort_output"))
+    assert "self.ipc_channels.send_to_tokenizer.send_output(abort_req, req)" in send
+    manager = sglang.cls(TOKENIZER_MANAGER, "TokenizerManager")
+    assert "(AbortReq, self._handle_abort_req)" in ast.unparse(sglang.method(manager, "init_request_dispatcher"))
 
 
 def test_deterministic_sampling_seeds_unseeded_requests_with_one_constant_and_takes_int64_seeds(sglang):

@@ -38,7 +38,7 @@ from megaserve.replicas.protocol import (
     GenerateRequest,
     SamplingParams,
 )
-from tests.replicas.engines.sglang_stand_in import StandInSGLang
+from tests.replicas.engines.sglang_stand_in import QUEUE_FULL_MESSAGE, StandInSGLang
 
 ONE_BY_ONE = CoalescePolicy(seconds=0.0, tokens=1)
 VOCAB = 512  # a vocabulary for the sampling-parameter mappings
@@ -125,6 +125,8 @@ def test_launch_args_leave_unset_limits_to_sglang():
     ({"engine_args": {"schedule_policy": "lpm"}}, "schedule_policy 'lpm' cannot be used with priority"),
     ({"engine_args": {"schedule_policy": "dfs-weight", "enable_priority_scheduling": True}},
      "set enable_priority_scheduling: false as well"),
+    ({"engine_args": {"enable_priority_scheduling": False, "abort_on_priority_when_disabled": True}},
+     "abort_on_priority_when_disabled: true with enable_priority_scheduling: false would make SGLang abort every"),
 ])
 def test_bad_launch_settings_are_refused(settings, message):
     settings = {"tp_size": 1, "context_length": 512} | settings
@@ -135,6 +137,8 @@ def test_bad_launch_settings_are_refused(settings, message):
 @pytest.mark.parametrize("engine_args", [
     {"schedule_policy": "fcfs"}, {"schedule_policy": "lof"},
     {"schedule_policy": "lpm", "enable_priority_scheduling": False},  # the operator gives priority up
+    {"abort_on_priority_when_disabled": True},  # priority scheduling stays on: no request is aborted
+    {"abort_on_priority_when_disabled": False, "enable_priority_scheduling": False},
 ])
 def test_schedule_policies_that_priority_scheduling_takes_or_without_it_are_passed_on(engine_args):
     args = engine_launch_args("/models/m", tp_size=1, context_length=512, engine_args=engine_args)
@@ -479,6 +483,23 @@ async def test_a_busy_sglang_is_healthy_while_other_requests_get_tokens(make_sgl
     stream = engine.generate(_request(max_tokens=400))
     await anext(stream)
     sglang.stalled = True  # the probe waits in the queue behind the running request
+    started = time.monotonic()
+    health = await engine.health()
+    assert health.healthy and health.running_requests == 1
+    assert time.monotonic() - started < 5.0  # seen from the running request, not the 10 s timeout waited out
+    await stream.aclose()
+
+
+async def test_a_probe_refused_for_a_full_queue_leaves_health_to_the_running_requests(make_sglang):
+    """With max_queued_requests, SGLang refuses a busy replica's probe as it refuses a client's request,
+    but that refusal never reaches the probe (SGLang drops it for health rids; test_sglang_api.py):
+    the tokens of the running request show SGLang alive, and the replica is not restarted."""
+    engine, sglang = make_sglang(health_timeout_seconds=10.0)
+    stream = engine.generate(_request(max_tokens=400))
+    await anext(stream)
+    sglang.queue_full = True
+    refused = [item async for item in engine.generate(_request(name="refused"))]
+    assert refused[-1].finish_reason == FinishReason.ABORT and refused[-1].error == QUEUE_FULL_MESSAGE
     started = time.monotonic()
     health = await engine.health()
     assert health.healthy and health.running_requests == 1
