@@ -12,10 +12,13 @@ exists as long as the pod), `python -m megaserve.monitoring.exporter --host H --
 folder for the node's whole life, the other processes waiting behind it (k8s/rayservice.yaml). In a
 pod, SIGTERM comes to every container at once, while the Ray container drains its replicas for
 minutes: with `--outlive-processes-in /proc` (the pod's shared PID namespace), the exporter answers
-SIGTERM or SIGINT by serving on until every process that recorded into the folder has exited, then
-for `--linger-seconds` more (a scrape interval, so that their last values are scraped), and exits 0.
-Other processes of the pod (a service mesh's sidecars, which Kubernetes may stop last) do not hold
-it up. Without that flag, SIGTERM or SIGINT (Ctrl-C) stops it at once, and it exits 0 as well.
+SIGTERM or SIGINT by serving on until every process that recorded into the folder and the raylet
+have exited, then for `--linger-seconds` more (a scrape interval, so that their last values are
+scraped), and exits 0. The raylet, because a pod may run no recording process (the second tray of a
+TP8 replica holds only a bundle) and still be scraped while it drains: it lives until the drain is
+over, after which Ray stops the pod's other processes. Other processes of the pod (a service mesh's
+sidecars, which Kubernetes may stop last) do not hold it up. Without that flag, SIGTERM or SIGINT
+(Ctrl-C) stops it at once, and it exits 0 as well.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PROG = "python -m megaserve.monitoring.exporter"
 RETRY_SECONDS = 5.0  # how soon a waiting process takes a freed port over
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the recording processes are gone
+OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the processes it outlives are gone
+RAYLET = "raylet"  # the Ray node's process, as the proc filesystem names it (after its executable)
 STOP_CHECK_SECONDS = 0.2  # how soon a stop signal (or a port it can never bind) ends the serving
 _GAUGE_MODES = "|".join(sorted(Gauge._MULTIPROC_MODES))
 # prometheus_client's "<kind>_<pid>.db", one per kind and process: a counter, histogram or summary,
@@ -50,6 +54,11 @@ GAUGE_FILE = re.compile(rf"^gauge_(?:{_GAUGE_MODES})_(\d+)\.db$")
 log = logging.getLogger(__name__)
 _started: set[tuple[str, int]] = set()
 _lock = threading.Lock()
+# Held by a scrape from its listing of the folder to its last read, and by the janitor's sweep:
+# prometheus_client skips a file gone in between for `live*` gauges only, and re-raises for the
+# others (SGLang's `mostrecent` ones), which fails the whole scrape. Scrapes queue behind each other
+# too, for the milliseconds that one takes.
+_gauge_files_lock = threading.Lock()
 
 
 def multiprocess_dir() -> str | None:
@@ -74,15 +83,24 @@ def retire_dead_processes(folder: str) -> list[int]:
     go on serving from a dead process' file. Counters, histograms and summaries stay: their sums over
     every process that ever ran must never go down."""
     dead = set()
-    for name in os.listdir(folder):
-        match = GAUGE_FILE.match(name)
-        if match and not _pid_alive(int(match.group(1))):
-            dead.add(int(match.group(1)))
-            try:
-                os.remove(os.path.join(folder, name))
-            except FileNotFoundError:  # another exporter of the node retired it first
-                pass
+    with _gauge_files_lock:
+        for name in os.listdir(folder):
+            match = GAUGE_FILE.match(name)
+            if match and not _pid_alive(int(match.group(1))):
+                dead.add(int(match.group(1)))
+                try:
+                    os.remove(os.path.join(folder, name))
+                except FileNotFoundError:  # another exporter of the node retired it first
+                    pass
     return sorted(dead)
+
+
+class _FolderCollector(multiprocess.MultiProcessCollector):
+    """The folder's sum, read while no janitor of this process retires a gauge file of it."""
+
+    def collect(self):
+        with _gauge_files_lock:
+            return super().collect()  # reads every file before it returns
 
 
 def _registry() -> CollectorRegistry:
@@ -92,7 +110,7 @@ def _registry() -> CollectorRegistry:
 
         return REGISTRY
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=folder)
+    _FolderCollector(registry, path=folder)
     return registry
 
 
@@ -147,14 +165,17 @@ def start_node_exporter(host: str, port: int, retry_seconds: float = RETRY_SECON
     ).start()
 
 
-def _running_in(proc_root: str, pid: int) -> bool:
+def _running_in(proc_root: str, pid: int, named: str | None = None) -> bool:
+    """Whether the process runs (as `named`, when given), as the proc filesystem at proc_root shows it."""
     try:
         with open(os.path.join(proc_root, str(pid), "stat")) as stat:
             # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
-            state = stat.read().rpartition(")")[2].split()[0]
+            before_state, _, after_name = stat.read().rpartition(")")
     except (FileNotFoundError, ProcessLookupError):  # it exited, and was reaped (or never ran here)
         return False
-    return state != "Z"  # a zombie has exited already, its parent not having reaped it yet
+    name, state = before_state.partition("(")[2], after_name.split()[0]
+    # a zombie has exited already, its parent not having reaped it yet
+    return state != "Z" and named in (None, name)
 
 
 def recording_processes(folder: str, proc_root: str, own_pid: int) -> list[int]:
@@ -166,6 +187,12 @@ def recording_processes(folder: str, proc_root: str, own_pid: int) -> list[int]:
         if match and int(match.group(1)) != own_pid:
             pids.add(int(match.group(1)))
     return sorted(pid for pid in pids if _running_in(proc_root, pid))
+
+
+def raylets(proc_root: str) -> list[int]:
+    """The pids of the raylets that run, as the proc filesystem at proc_root shows them."""
+    pids = (int(entry) for entry in os.listdir(proc_root) if entry.isdigit())
+    return sorted(pid for pid in pids if _running_in(proc_root, pid, named=RAYLET))
 
 
 def _serve_until_stopped(host: str, port: int, proc_root: str | None, linger_seconds: float) -> int:
@@ -184,11 +211,13 @@ def _serve_until_stopped(host: str, port: int, proc_root: str | None, linger_sec
     if proc_root is None:  # no --outlive-processes-in: nothing to wait for
         return 0
     folder = multiprocess_dir()
-    log.info("stopping once the processes recording into %s have exited (as %s shows them)", folder, proc_root)
-    # The Ray container drains its replicas for minutes, and they record metrics until they exit.
-    while recording_processes(folder, proc_root, os.getpid()):
+    log.info("stopping once the processes recording into %s and the raylet have exited (as %s shows them)",
+             folder, proc_root)
+    # The Ray container drains its replicas for minutes, and they record metrics until they exit; the
+    # raylet lives as long as the drain, on a pod that hosts no recording process too.
+    while recording_processes(folder, proc_root, os.getpid()) or raylets(proc_root):
         time.sleep(OUTLIVE_CHECK_SECONDS)
-    log.info("no process recording into %s is left; stopping in %g s", folder, linger_seconds)
+    log.info("no process recording into %s nor a raylet is left; stopping in %g s", folder, linger_seconds)
     time.sleep(linger_seconds)
     return 0
 
@@ -200,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True, help="the config's metrics.port")
     parser.add_argument("--outlive-processes-in", metavar="PROC_ROOT",
                         help="on SIGTERM or SIGINT, serve on until the proc filesystem at PROC_ROOT shows none "
-                             "of the processes that recorded into the folder running (/proc in a pod with "
-                             "shareProcessNamespace); without it, they stop the exporter at once")
+                             "of the processes that recorded into the folder running, nor a raylet (/proc in a "
+                             "pod with shareProcessNamespace); without it, they stop the exporter at once")
     parser.add_argument("--linger-seconds", type=float, default=0.0,
                         help="with --outlive-processes-in: serve this much longer once those processes have "
                              "exited, so that a scrape reads their last values (at least the scrape interval)")

@@ -12,13 +12,17 @@ import sys
 import textwrap
 import threading
 import time
+import types
 import urllib.request
 
 import prometheus_client
 import pytest
+from prometheus_client import multiprocess
 from prometheus_client.mmap_dict import MmapedDict
 
-from megaserve.monitoring.exporter import RECORDER_FILE, recording_processes, start_node_exporter
+from megaserve.monitoring.exporter import (
+    OUTLIVE_CHECK_SECONDS, RECORDER_FILE, raylets, recording_processes, retire_dead_processes, start_node_exporter,
+)
 from tests.live import UNASSIGNED_ADDRESS, free_port, wait_until
 
 
@@ -124,6 +128,53 @@ def test_another_process_takes_over_and_dead_gauges_are_retired(recorders):
     assert samples[running.format(4)] == 4 and running.format(3) not in samples
 
 
+# A process that recorded one SGLang-style gauge (`mostrecent`, not `live*`) and exited.
+DEAD_GAUGE_RECORDER = textwrap.dedent("""
+    import sys
+    from prometheus_client import Gauge
+    Gauge("sglang:num_running_reqs", "running", multiprocess_mode="mostrecent").set(int(sys.argv[1]))
+""")
+JANITOR_HELD_OFF_SECONDS = 0.5  # how long a scrape's read may hold the janitor off before the race is forced
+
+
+def _dead_gauge_file(folder, running_requests: int):
+    recorder = subprocess.run([sys.executable, "-c", DEAD_GAUGE_RECORDER, str(running_requests)],
+                              env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder)), check=True)
+    assert recorder.returncode == 0
+    (gauge,) = folder.glob("gauge_mostrecent_*.db")
+    return gauge
+
+
+def test_a_scrape_reads_the_gauge_files_it_listed_though_the_janitor_retires_them_meanwhile(tmp_path, monkeypatch):
+    # prometheus_client lists the folder, then reads each file: a file gone in between is skipped for
+    # `live*` gauges only and re-raised for any other mode, which would answer the scrape HTTP 500.
+    folder, port = tmp_path / "metrics", free_port()
+    folder.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+    retired_at_start = _dead_gauge_file(folder, running_requests=1)
+    # A janitor period longer than the test: the one sweep after the start is the only one of its own.
+    start_node_exporter("127.0.0.1", port, retry_seconds=600)
+    wait_until(lambda: not retired_at_start.exists(), 20, "the janitor's first sweep")
+    _dead_gauge_file(folder, running_requests=2)
+    janitors = []
+    listing = multiprocess.glob.glob
+
+    def list_then_retire(pattern: str) -> list[str]:
+        # The worst ordering: the janitor sweeps between the listing and the reads.
+        files = listing(pattern)
+        janitor = threading.Thread(target=retire_dead_processes, args=(str(folder),))
+        janitor.start()
+        janitor.join(JANITOR_HELD_OFF_SECONDS)
+        janitors.append(janitor)
+        return files
+
+    monkeypatch.setattr(multiprocess, "glob", types.SimpleNamespace(glob=list_then_retire))
+    assert _scrape(port)['sglang:num_running_reqs'] == 2  # read as listed, not a 500
+    janitors[0].join()
+    assert not list(folder.glob("gauge_*.db"))  # and retired once the scrape had read it
+    assert 'sglang:num_running_reqs' not in _scrape(port)
+
+
 def test_a_host_it_cannot_bind_is_logged_once_not_retried(caplog):
     with caplog.at_level(logging.ERROR, logger="megaserve.monitoring.exporter"):
         start_node_exporter(UNASSIGNED_ADDRESS, free_port(), retry_seconds=0.05)
@@ -221,6 +272,16 @@ def test_the_recording_processes_are_the_running_writers_of_the_folder_but_itsel
     assert recording_processes(str(folder), str(proc), own_pid=7) == [20, 21]
 
 
+def test_the_raylets_are_the_running_processes_of_that_name(tmp_path):
+    _fake_process(tmp_path, 1, "pause")
+    _fake_process(tmp_path, 40, "raylet")
+    _fake_process(tmp_path, 41, "raylet", state="Z")  # exited, not yet reaped
+    _fake_process(tmp_path, 42, "ray::IDLE")
+    _fake_process(tmp_path, 43, "raylet) (x")  # not a raylet: the name is all between the parentheses
+    (tmp_path / "self").mkdir()
+    assert raylets(str(tmp_path)) == [40]
+
+
 def test_the_recording_processes_of_the_real_proc_filesystem_leave_out_exited_ones(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
@@ -266,6 +327,47 @@ def test_a_stopped_standalone_exporter_serves_until_the_recording_processes_exit
     finally:
         exporter.kill()
         exporter.wait()
+
+
+def _named_process(folder, comm: str) -> subprocess.Popen:
+    """A real process that /proc names comm, as it names a program after its executable's file."""
+    executable = folder / comm
+    executable.symlink_to(sys.executable)
+    return subprocess.Popen([str(executable), "-c", "import time; time.sleep(600)"])
+
+
+def _pod_view(proc_root, *pids: int) -> None:
+    """A proc filesystem that shows only these real processes, as a pod's shared PID namespace would."""
+    proc_root.mkdir(exist_ok=True)
+    for pid in pids:
+        (proc_root / str(pid)).symlink_to(f"/proc/{pid}")
+
+
+def test_a_stopped_standalone_exporter_serves_while_the_pod_s_raylet_drains_with_nothing_recording(tmp_path):
+    # The second tray of a TP8 replica: its Ray container holds a bundle and records no metrics, yet its
+    # raylet drains for minutes after the SIGTERM, and the pod, still scraped, lives as long. A mesh's
+    # sidecar, which Kubernetes stops after the Ray container, holds nothing up.
+    proc, folder, port, linger = tmp_path / "proc", tmp_path / "metrics", free_port(), 1.0
+    raylet, sidecar = _named_process(tmp_path, "raylet"), _named_process(tmp_path, "envoy")
+    exporter = _exporter(port, dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder)),
+                         "--outlive-processes-in", str(proc), "--linger-seconds", str(linger))
+    try:
+        _pod_view(proc, exporter.pid, raylet.pid, sidecar.pid)
+        wait_until(lambda: _scrape(port) == {}, 20, "the exporter")
+        exporter.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + linger + 3 * OUTLIVE_CHECK_SECONDS  # past where it stopped on its own
+        while time.monotonic() < deadline:
+            assert _scrape(port) == {}
+            time.sleep(0.2)
+        raylet.kill()  # the drain is over: the raylet exits, and Ray stops the node's other processes
+        raylet.wait()
+        _, stderr = exporter.communicate(timeout=10)
+        assert exporter.returncode == 0, stderr
+        assert sidecar.poll() is None
+    finally:
+        for process in (exporter, raylet, sidecar):
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.parametrize("args, message", [
