@@ -149,19 +149,29 @@ def _spillover_alert() -> dict:
 
 
 def _replica_alerts() -> list[dict]:
-    failures = "ray_serve_health_check_failures_total"
+    failures, window = "ray_serve_health_check_failures_total", HEALTH_CHECK_WINDOW
     return [
         # Not `ray_serve_deployment_replica_healthy == 0`: Serve stops a failing replica and its 0
         # leaves the export within a minute (measured on Ray 2.60), so that rule never fired. The
         # failure counters stay, and so does the target.
         {
             "alert": "MegaserveReplicasFailingHealthChecks",
-            # each replica's count now less then, summed: a counter appears at its replica's first
-            # failure, so increase() of a series born in the window would miss that failure, while
-            # here it counts from 0; a series that reset (its controller restarted) adds nothing
-            "expr": (f"sum by (application, deployment) (\n  clamp_min(\n    {failures}\n"
-                     f"    - ({failures} offset {HEALTH_CHECK_WINDOW} or 0 * {failures}),\n    0\n  )\n)\n"
-                     f">= {HEALTH_CHECKS_TO_REPLACE}\n"),
+            # Each replica's failures within the window, summed. The counter never expires, so only
+            # what it grew by counts: since the window's start, where it was seen then (a series that
+            # reset, its controller restarted, adds nothing); from 0, where it was not though its Ray
+            # target was scraped (it appears at its replica's first failure, which increase() would
+            # miss); from its first value in the window where nothing tells (a gap in the scrapes, a
+            # Prometheus just started), so that a lifetime total from before does not count.
+            "expr": (f"sum by (application, deployment) (\n"
+                     f"    clamp_min({failures} - {failures} offset {window}, 0)\n"
+                     f"  or\n"
+                     f"    ({failures} and on (job, instance) (up offset {window} == 1))\n"
+                     f"  or\n"
+                     f"    ({failures} - min_over_time({failures}[{window}]))\n"
+                     f")\n>= {HEALTH_CHECKS_TO_REPLACE}\n"),
+            # The other health rules' hold: a count that one evaluation shows files no ticket. It only
+            # delays one, as the failures stay in the count for the whole window.
+            "for": REPLICA_HOLD,
             "labels": {"severity": "ticket"},
             "annotations": {
                 "summary": "Ray Serve replicas fail their health checks and are replaced",
