@@ -7,13 +7,19 @@ step's whole code. While a stretch fits the SM's instruction caches its cost per
 where it stops fitting, the rise per KB is what re-fetching a stage's code from L2 at every layer
 would cost the decode step (whose size is `KernelCache.decode_step(...).code_bytes`).
 `python -m megaserve.kernels.barrier_probe` prints both probes.
+
+`time_streaming_step` (stream_stages) is the decode step reduced to its bytes and its edges: the
+grid streams each stage's bytes as the GEMVs stream weights and crosses a grid barrier where the
+step has one. Timed with the step's edges and with none, on the same bytes, it gives what the edges
+alone cost a step with no dependent work, and so the fastest that a kernel with those edges could
+be (the bench prints it per model and context).
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,11 +27,15 @@ import torch
 from cuda.core import Device, LaunchConfig, launch
 
 from .build import CompiledKernel, KernelCache, arch_for
-from .shape import THREADS, WARP_SIZE
+from .shape import THREADS, WARP_SIZE, WARPS
 
 DEFAULT_ROUNDS = 2000
 CODE_ROUNDS = 200  # rounds of a barrier and a stretch of code (up to ~15 µs each)
 REPEATS = 5  # median of this many timings of each launch
+STREAM_LAUNCHES = 20  # stream_stages launches back to back per timing, as a step's graph replays are
+VECTOR_BYTES = 16  # stream_stages loads 16-byte vectors
+AHEAD_WARPS = WARPS // 2  # kPrefetchWarps of gemv.cuh: warps that load the next stage's first chunk at a barrier
+WORD_MASK = (1 << 32) - 1
 PHASE_BIT = 1 << 31  # the counter's top bit flips once per barrier; its low bits return to zero
 # Stretches of barrier_after_code, in steps of 8 instructions (128 bytes): 8 KB to 256 KB.
 CODE_STEPS = (64, 256, 512, 768, 896, 1024, 1152, 1280, 1536, 2048)
@@ -59,22 +69,76 @@ class _Probe:
         """Seconds of one of `rounds` rounds; the kernel takes (counter, rounds, *extra_args)."""
         if rounds < 1:
             raise ValueError(f"rounds must be at least 1, got {rounds}")
-        self._seconds(rounds, extra_args)  # warm-up: module load, first launch
-        per_round = (self._seconds(rounds, extra_args) - self._seconds(0, extra_args)) / rounds
+        self.seconds_per_launch(rounds, extra_args)  # warm-up: module load, first launch
+        per_round = (self.seconds_per_launch(rounds, extra_args) - self.seconds_per_launch(0, extra_args)) / rounds
         if int(self.counter.item()) % PHASE_BIT != 0:
             raise RuntimeError(f"the barrier counter ended at {int(self.counter.item()):#x}: a CTA missed a barrier")
         return per_round
 
-    def _seconds(self, rounds: int, extra_args: tuple) -> float:
+    def launch(self, rounds: int, extra_args: tuple) -> None:
+        launch(self.stream, self.config, self.kernel, self.counter.data_ptr(), np.int32(rounds), *extra_args)
+
+    def seconds_per_launch(self, rounds: int, extra_args: tuple, launches: int = 1) -> float:
+        """Seconds per launch: the median of REPEATS timings of `launches` launches back to back."""
         samples = []
         for _ in range(REPEATS):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            launch(self.stream, self.config, self.kernel, self.counter.data_ptr(), np.int32(rounds), *extra_args)
+            for _ in range(launches):
+                self.launch(rounds, extra_args)
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e-3)
+            samples.append(start.elapsed_time(end) * 1e-3 / launches)
         return statistics.median(samples)
+
+
+@dataclass(frozen=True)
+class StreamStage:
+    """A stage of stream_stages: the bytes it reads (rounded up to 16-byte vectors) and whether a
+    grid barrier follows it."""
+
+    name: str
+    read_bytes: int
+    barrier_after: bool
+
+
+def xor_of_words(data: torch.Tensor) -> int:
+    """The XOR of every 32-bit word of `data` (contiguous), as stream_stages folds them; on data's device."""
+    words = data.view(torch.int32).flatten()
+    while words.numel() > 1:
+        if words.numel() % 2:
+            words = torch.cat([words, words.new_zeros(1)])
+        half = words.numel() // 2
+        words = words[:half] ^ words[half:]
+    return int(words.item()) & WORD_MASK
+
+
+def time_streaming_step(kernel_cache: KernelCache, device: torch.device, stages: Sequence[StreamStage],
+                        ahead_warps: int = AHEAD_WARPS, launches: int = STREAM_LAUNCHES) -> float:
+    """Seconds per launch of stream_stages over `stages` (the kernel takes (counter, stages, data,
+    stage_ends, edge_after, ahead_warps, checksum)), their bytes laid out one after another in a
+    buffer of random words, read once per launch; the kernel's XOR of every word is checked first."""
+    if not stages or any(stage.read_bytes < 1 for stage in stages):
+        raise ValueError("stream_stages needs at least one stage, each reading at least one byte")
+    if not 0 <= ahead_warps <= WARPS:
+        raise ValueError(f"ahead_warps must be between 0 and {WARPS}, got {ahead_warps}")
+    ends = torch.tensor([-(-stage.read_bytes // VECTOR_BYTES) for stage in stages], dtype=torch.int64).cumsum(0)
+    data = torch.randint(-(2**31), 2**31, (int(ends[-1]) * VECTOR_BYTES // 4,), dtype=torch.int32, device=device)
+    stage_ends = ends.to(device)
+    barrier_after = torch.tensor([stage.barrier_after for stage in stages], dtype=torch.int32, device=device)
+    checksum = torch.zeros(2, dtype=torch.int32, device=device)  # word 0; 8 bytes keep it aligned
+    probe = _Probe(kernel_cache.stream_probe, device)
+    args = (data.data_ptr(), stage_ends.data_ptr(), barrier_after.data_ptr(), np.int32(ahead_warps), checksum.data_ptr())
+    probe.launch(len(stages), args)  # module load, first launch
+    checksum.zero_()
+    probe.launch(len(stages), args)
+    expected, folded = xor_of_words(data), int(checksum[0].item()) & WORD_MASK
+    if folded != expected:
+        raise RuntimeError(f"stream_stages folded {folded:#010x}, the data's XOR is {expected:#010x}: a vector "
+                           "was skipped or read twice")
+    if int(probe.counter.item()) % PHASE_BIT != 0:
+        raise RuntimeError(f"the barrier counter ended at {int(probe.counter.item()):#x}: a CTA missed a barrier")
+    return probe.seconds_per_launch(len(stages), args, launches)
 
 
 def time_grid_barrier(kernel_cache: KernelCache, device: torch.device, rounds: int = DEFAULT_ROUNDS) -> float:

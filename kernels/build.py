@@ -35,6 +35,7 @@ MAIN_SOURCE = "decode_step.cu"
 BARRIER_PROBE_SOURCE = "barrier_probe.cu"
 BARRIER_PROBE_NAME = "megakernel::barrier_probe"
 CODE_PROBE_TEMPLATE = "megakernel::barrier_after_code<{steps}>"
+STREAM_PROBE_NAME = "megakernel::stream_stages"
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inc", ".inl")  # the files a kernel may include
 CXX_STANDARD = "c++17"
 # NVRTC's options but the target and the include path (which differ per build and per machine).
@@ -236,6 +237,11 @@ class KernelCache:
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
         return self._kernel(BARRIER_PROBE_SOURCE, CODE_PROBE_TEMPLATE.format(steps=steps), arch)
+
+    def stream_probe(self, arch: str) -> CompiledKernel:
+        """The cubin of stream_stages (the step's bytes streamed in stages, with grid barriers
+        between them) on `arch`."""
+        return self._kernel(BARRIER_PROBE_SOURCE, STREAM_PROBE_NAME, arch)
 
     def _kernel(self, source_name: str, name_expression: str, arch: str) -> CompiledKernel:
         if arch not in supported_archs() and arch.rstrip("a") not in supported_archs():

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from megaserve.kernels.barrier_probe import time_grid_barrier
+from megaserve.kernels.barrier_probe import StreamStage, time_grid_barrier, time_streaming_step
 from megaserve.kernels.build import KernelBuildError, KernelCache
 from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep, StageTimes, store_down_transposed
 from megaserve.kernels.profiling import count_kernel_launches
@@ -112,6 +112,9 @@ class Result:
     stage_late_repeat: dict[str, float] = field(default_factory=dict)  # StageTimes.late_repeat
     timing_cost_ms: float | None = None
     round_ms: list[float] = field(default_factory=list)  # a megakernel's ms/step of each --rounds round
+    # The package's megakernel only: ms per step of the streaming probe over the same bytes, by the
+    # grid barriers per layer it crosses (streaming_ceiling)
+    stream_ms: dict[int, float] = field(default_factory=dict)
     error: str | None = None  # set (and the figures NaN) when this method failed to run
 
 
@@ -129,6 +132,31 @@ def stage_read_bytes(config: ModelConfig, context_len: int) -> dict[str, int]:
     }
     stages = {name: per_layer[name] * config.num_layers * BF16_BYTES for name in STAGES_PER_LAYER}
     return stages | {FINAL_STAGE: config.vocab_size * hidden * BF16_BYTES}
+
+
+# Grid barriers per layer that the streaming probe crosses: none (the loads' own rate), the
+# megakernel's three, and four (its wait for a KV head's QKV rows timed as a fourth barrier).
+STREAM_BARRIERS_PER_LAYER = (0, 3, 4)
+# Of each layer's stages, those followed by a barrier, for each count above.
+_STREAM_BARRIER_STAGES = {0: (), 3: ("attention", "o_proj", "mlp"), 4: STAGES_PER_LAYER}
+
+
+def streaming_stages(config: ModelConfig, context_len: int, barriers_per_layer: int) -> list[StreamStage]:
+    """The step as stream_stages runs it: every layer's stage_read_bytes in order, then the LM head,
+    with a grid barrier after the stages _STREAM_BARRIER_STAGES names."""
+    per_step = stage_read_bytes(config, context_len)
+    after = _STREAM_BARRIER_STAGES[barriers_per_layer]
+    layer = [StreamStage(name, per_step[name] // config.num_layers, name in after) for name in STAGES_PER_LAYER]
+    return [*layer * config.num_layers, StreamStage(FINAL_STAGE, per_step[FINAL_STAGE], False)]
+
+
+def streaming_ceiling(config: ModelConfig, context_len: int, kernel_cache: KernelCache,
+                      device: torch.device) -> dict[int, float]:
+    """ms per step of the streaming probe (kernels/barrier_probe.py) over the step's bytes, by grid
+    barriers per layer (STREAM_BARRIERS_PER_LAYER): how fast a kernel with those edges, and nothing
+    else between its loads, could be."""
+    return {count: time_streaming_step(kernel_cache, device, streaming_stages(config, context_len, count)) * 1e3
+            for count in STREAM_BARRIERS_PER_LAYER}
 
 
 def random_model(config: ModelConfig, device: torch.device) -> Model:
@@ -245,6 +273,8 @@ def bench_context(
                          "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
                          "stage_late_repeat": stages.late_repeat, "timing_cost_ms": timing_cost_ms,
                          "round_ms": [seconds * 1e3 for seconds in round_seconds]}
+                if method == MEGAKERNEL:
+                    extra["stream_ms"] = streaming_ceiling(model.config, context + 1, kernel_caches[method], device)
                 yield method, (statistics.median(round_seconds), launches, extra)
     baselines = {
         "eager": lambda: (time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager), {}),
@@ -367,6 +397,11 @@ def _stage_table(r: Result, bandwidth: float) -> list[str]:
         repeat = r.stage_late_repeat.get(name)
         barrier += f" | {100 * repeat:.0f}%" if repeat is not None else " | "
         lines.append(f"| {name} | {read_bytes / 1e6:,.1f} | {ms:.3f} | {rate} | {over_floor:+.3f} | {barrier} |")
+    if r.stream_ms:
+        step_bytes = sum(r.stage_bytes.values())
+        lines.append("streaming probe, the same bytes with nothing between the loads but grid barriers: " + ", ".join(
+            f"{count} per layer {ms:.3f} ms ({100 * step_bytes / (ms * 1e-3) / bandwidth:.1f}%)"
+            for count, ms in r.stream_ms.items()))
     return lines
 
 

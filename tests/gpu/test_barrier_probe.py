@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from megaserve.kernels.barrier_probe import time_barrier_after_code, time_grid_barrier
+from megaserve.kernels.barrier_probe import (
+    StreamStage,
+    time_barrier_after_code,
+    time_grid_barrier,
+    time_streaming_step,
+    xor_of_words,
+)
 from megaserve.kernels.shape import WARP_SIZE
 
 # A grid barrier is a few L2 round trips (~0.5-1 µs each on Hopper): anything outside this range
@@ -28,3 +34,31 @@ def test_a_longer_stretch_of_code_costs_more_per_round(kernel_cache):
         assert short.code_bytes < long.code_bytes and short.threads == long.threads == threads
         # 16x the instructions: at least a few times the time, never more than a few hundred µs
         assert barrier / 2 < short.seconds < long.seconds < PLAUSIBLE_SECONDS[1] * 20
+
+
+# Stages of sizes that leave partial chunks and slices (vectors per stage not a multiple of the
+# grid's threads), a stage smaller than one vector per CTA, and 300 MB in all (several times L2).
+STREAM_STAGES_BYTES = (12_582_912 + 48, 16, 8_388_608 + 1_000, 100_663_296 + 16 * 7, 160_000_000)
+
+
+def _stages(barriers: bool) -> list[StreamStage]:
+    return [StreamStage(f"s{i}", size, barriers and i + 1 < len(STREAM_STAGES_BYTES))
+            for i, size in enumerate(STREAM_STAGES_BYTES)]
+
+
+def test_the_streaming_probe_reads_every_vector_once_and_its_barriers_cost_time(kernel_cache):
+    """time_streaming_step raises when the kernel's XOR of the words it loaded is not the data's (a
+    vector skipped or read twice) or a CTA missed a barrier; here with and without barriers and
+    with and without the loads ahead of a barrier. (How fast is the bench's business: these bounds
+    only catch a timing that is not of this launch.)"""
+    device = torch.device("cuda")
+    read_bytes = sum(STREAM_STAGES_BYTES)
+    for stages, ahead_warps in ((_stages(False), 8), (_stages(True), 8), (_stages(True), 0), (_stages(True), 16)):
+        seconds = time_streaming_step(kernel_cache, device, stages, ahead_warps)
+        # 300 MB at an HBM3e rate, between 1 and 6 TB/s, plus four barriers
+        assert read_bytes / 6e12 < seconds < read_bytes / 1e12 + 4 * PLAUSIBLE_SECONDS[1]
+
+
+def test_the_data_s_xor_is_that_of_its_words_on_the_gpu():
+    data = torch.randint(-(2**31), 2**31, (1001,), dtype=torch.int32, device="cuda")
+    assert xor_of_words(data) == xor_of_words(data.cpu())

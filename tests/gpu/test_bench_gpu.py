@@ -1,6 +1,7 @@
 """`megaserve bench`'s megakernel method on a real GPU, with an edited copy of the kernel sources
 timed beside the package's own (`--kernel-sources`): one result per build, each timed in every
-round, one launch per step, and a stage breakdown that accounts for the step."""
+round, one launch per step, and a stage breakdown that accounts for the step; the package's own build
+also gets the streaming probe's times over the same bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from megaserve.kernels.build import SOURCE_DIR, KernelCache
 from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER
-from megaserve.replicas.bench import MEGAKERNEL, bench_context, random_model
+from megaserve.replicas.bench import MEGAKERNEL, STREAM_BARRIERS_PER_LAYER, bench_context, random_model
 from megaserve.replicas.models import ModelConfig
 
 TINY_CONFIG = {
@@ -39,4 +40,8 @@ def test_a_variant_is_timed_in_every_round_beside_the_package_s_kernel(tmp_path)
         assert min(extra["round_ms"]) <= seconds * 1e3 <= max(extra["round_ms"])  # the median of the rounds
         assert list(extra["stage_ms"]) == [*STAGES_PER_LAYER, FINAL_STAGE]
         assert all(ms > 0 for ms in extra["stage_ms"].values())
-    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 4  # each build, with and without timing
+    stream_ms = measured[MEGAKERNEL][2]["stream_ms"]
+    assert list(stream_ms) == list(STREAM_BARRIERS_PER_LAYER) and all(ms > 0 for ms in stream_ms.values())
+    assert "stream_ms" not in measured[VARIANT][2]  # the probe streams bytes, whichever the sources
+    # each build with and without timing, and the streaming probe
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 5

@@ -73,6 +73,13 @@ def test_the_barrier_probe_compiles_for_hopper(shared_cache):
     assert "barrier_probe" in compiled.symbol
 
 
+@pytest.mark.parametrize("arch", [HOPPER, *BLACKWELL])
+def test_the_streaming_probe_compiles_for_each_target(shared_cache, arch):
+    compiled = shared_cache.stream_probe(arch)
+    assert compiled.cubin.startswith(CUBIN_MAGIC) and compiled.arch == arch
+    assert "stream_stages" in compiled.symbol and compiled.code_bytes > 0
+
+
 def test_the_code_probe_is_straight_line_code_of_its_size(shared_cache):
     """barrier_after_code<steps>: 8 instructions (128 bytes) a step, nothing folded or looped."""
     small, large = shared_cache.code_probe(HOPPER, 64), shared_cache.code_probe(HOPPER, 512)

@@ -21,6 +21,7 @@ from megaserve.replicas.bench import (
     parse_args,
     random_model,
     stage_read_bytes,
+    streaming_stages,
 )
 from megaserve.replicas.models import ModelConfig
 from megaserve.replicas.models.sharding import plan_sharding, step_read_bytes
@@ -66,6 +67,29 @@ def test_the_table_reports_each_stage_s_share_of_the_measured_bandwidth():
     assert "stages Llama-3.2-1B ctx=1024 (timing build, which costs +0.004 ms/step):" in table
     assert "| qkv | 4,000.0 | 2.000 | 2,000 | 50% | +1.000 | 0.250 | 0.125 | 75% |" in table
     assert "| lm_head | 2,000.0 | 0.500 | 4,000 | 100% | +0.000 |  |  |  |" in table  # no barrier closes the head
+
+
+@pytest.mark.parametrize("barriers", bench.STREAM_BARRIERS_PER_LAYER)
+def test_the_streaming_probe_reads_the_step_s_bytes_in_its_order_with_its_barriers(barriers):
+    config = ModelConfig.from_hf_dict(BENCH_CONFIGS["Llama-3.2-1B"])
+    stages = streaming_stages(config, 1025, barriers)
+    per_step = stage_read_bytes(config, 1025)
+    assert len(stages) == 4 * config.num_layers + 1 and stages[-1].name == "lm_head"
+    assert [stage.name for stage in stages[:4]] == ["qkv", "attention", "o_proj", "mlp"]
+    for name, read_bytes in per_step.items():
+        assert sum(stage.read_bytes for stage in stages if stage.name == name) == read_bytes
+    assert sum(stage.barrier_after for stage in stages) == barriers * config.num_layers
+    assert not stages[-1].barrier_after
+    if barriers == 3:  # the megakernel's: attention waits for its head's QKV rows, not for a barrier
+        assert not any(stage.barrier_after for stage in stages if stage.name == "qkv")
+
+
+def test_the_stage_table_gives_the_streaming_probe_s_share_of_the_roofline():
+    result = Result("Llama-3.2-1B", 1024, "megakernel", 2.0, 500.0, 1, 0.75, stage_ms={"qkv": 2.0},
+                    stage_bytes={"qkv": 4_000_000_000}, timing_cost_ms=0.0, stream_ms={0: 1.0, 3: 1.25})
+    table = format_table([result], 4e12, barrier_seconds=1e-6)
+    assert ("streaming probe, the same bytes with nothing between the loads but grid barriers: "
+            "0 per layer 1.000 ms (100.0%), 3 per layer 1.250 ms (80.0%)") in table
 
 
 def test_contexts_must_be_positive(capsys):

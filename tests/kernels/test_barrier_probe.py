@@ -1,0 +1,33 @@
+"""The streaming probe's host side on the CPU: its checksum and its refusals (the kernels need a GPU:
+tests/gpu/test_barrier_probe.py)."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import pytest
+import torch
+
+from megaserve.kernels.barrier_probe import StreamStage, time_streaming_step, xor_of_words
+
+WORD_MASK = 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("words", [1, 2, 7, 1001])
+def test_the_xor_of_words_is_that_of_every_32_bit_word(words):
+    data = torch.randint(-(2**31), 2**31, (words,), dtype=torch.int32, generator=torch.Generator().manual_seed(words))
+    expected = functools.reduce(operator.xor, (word & WORD_MASK for word in data.tolist()))
+    assert xor_of_words(data) == expected
+    assert xor_of_words(data.view(torch.uint8)) == expected  # any dtype: its bytes as words
+
+
+@pytest.mark.parametrize(("stages", "ahead_warps", "message"), [
+    ([], 8, "at least one stage"),
+    ([StreamStage("empty", 0, False)], 8, "at least one byte"),
+    ([StreamStage("qkv", 16, True)], 17, "between 0 and 16"),
+    ([StreamStage("qkv", 16, True)], -1, "between 0 and 16"),
+])
+def test_bad_stages_are_refused_before_any_launch(tmp_path, stages, ahead_warps, message):
+    with pytest.raises(ValueError, match=message):
+        time_streaming_step(None, torch.device("cpu"), stages, ahead_warps)
