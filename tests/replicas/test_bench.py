@@ -217,10 +217,14 @@ def _stand_in_for_the_gpu(monkeypatch, tmp_path, failing=frozenset()):
         replay(), replay()  # a warm-up and the profiled call
         return 1
 
+    def time_streaming_step(kernel_cache, device, stages):  # 1 ms per GB and 1 µs per barrier
+        return sum(stage.read_bytes for stage in stages) * 1e-12 + sum(stage.barrier_after for stage in stages) * 1e-6
+
     monkeypatch.setattr(bench, "DecodeStep", Step)
     monkeypatch.setattr(bench, "capture", Graph)
     monkeypatch.setattr(bench, "time_steps", time_steps)
     monkeypatch.setattr(bench, "count_kernel_launches", count_kernel_launches)
+    monkeypatch.setattr(bench, "time_streaming_step", time_streaming_step)
     shutil.copytree(SOURCE_DIR, tmp_path / "copy", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     caches = {MEGAKERNEL: KernelCache(tmp_path / "cache"), "megakernel:copy": KernelCache(tmp_path, tmp_path / "copy")}
     return timings, caches, steps
@@ -243,6 +247,10 @@ def test_the_builds_are_timed_in_turn_every_round(tmp_path, monkeypatch):
     assert measured["megakernel:copy"][2]["round_ms"] == pytest.approx([2.4, 2.8, 3.2])
     assert launches == 1 and extra["stage_ms"] == {"qkv": 1.0} and extra["timing_cost_ms"] == pytest.approx(
         3e-3 * 1.7 * 1e3 - 1.3)
+    # The streaming probe over the step's bytes, for the package's build only: 2 layers' barriers
+    step_ms = sum(bench.stage_read_bytes(model.config, 101).values()) * 1e-9
+    assert extra["stream_ms"] == pytest.approx({0: step_ms, 3: step_ms + 2 * 3e-3, 4: step_ms + 2 * 4e-3})
+    assert "stream_ms" not in measured["megakernel:copy"][2]
 
 
 @pytest.mark.parametrize("failing", ["copy", "copy+timing"])
