@@ -13,8 +13,8 @@
 // `stages` consecutive ranges of `data` (stage s: the 16-byte vectors [ends[s - 1], ends[s]), a
 // contiguous slice per CTA), loading as the GEMVs load weights (load_weights16, kChunkLoads loads
 // per thread in flight), and crosses a grid barrier after each stage whose edge_after[s] is set.
-// Between arriving and waiting, the CTA's first `ahead_warps` warps load their first chunk of the
-// next stage, as prefetch_weights does. Timed with the step's own edges and with none, it shows
+// Between arriving and waiting, the CTA reads ahead into the next stage (in shared memory by the
+// copy engine, and in registers as prefetch_weights does). Timed with the step's own edges and with none, it shows
 // what the edges alone cost a step that streams at the loads' rate, with no dependent work at all.
 // Every word loaded is folded into an XOR (atomicXor into *checksum), so that no load is dropped
 // and the launcher can check that each vector was read exactly once.
@@ -61,6 +61,8 @@ __device__ __forceinline__ void load_stream_chunk(const uint4* data, long long b
   }
 }
 
+__device__ __forceinline__ unsigned fold_words(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
 // The CTA's slice of stage s: [first, end) of data's vectors.
 struct StreamSlice {
   long long first, end;
@@ -71,31 +73,84 @@ __device__ __forceinline__ StreamSlice stream_slice(const long long* stage_ends,
   return StreamSlice{begin + count * blockIdx.x / gridDim.x, begin + count * (blockIdx.x + 1) / gridDim.x};
 }
 
+// The bulk copy engine (TMA) filling shared memory, completing on an mbarrier: the lookahead of
+// stream_stages, which holds no registers and no load slots of the SM's warps while it is in flight.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(unsigned long long* barrier) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barrier)) : "memory");
+}
+
+// Thread 0: bytes (a multiple of 16) at src into dst (both 16-byte aligned), completing the
+// mbarrier's current phase. The fence orders the CTA's earlier reads of dst (before a
+// __syncthreads) before the copy engine's writes.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes,
+                                                    unsigned long long* barrier) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(barrier))
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* barrier, unsigned phase) {
+  unsigned done = 0;
+  while (!done) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(shared_address(barrier)), "r"(phase)
+                 : "memory");
+  }
+}
+
+// At each barrier the CTA reads ahead into the next stage: thread 0 has the copy engine bring its
+// first `lookahead_vecs` vectors (the dynamic shared memory, 16 bytes each) and the first
+// `ahead_warps` warps load their first chunk of the rest into registers, as prefetch_weights does.
 __global__ void __launch_bounds__(kThreads, 1)
     stream_stages(unsigned* counter, int stages, const uint4* __restrict__ data, const long long* __restrict__ stage_ends,
-                  const int* __restrict__ edge_after, int ahead_warps, unsigned* checksum) {
+                  const int* __restrict__ edge_after, int ahead_warps, int lookahead_vecs, unsigned* checksum) {
+  extern __shared__ uint4 lookahead[];  // [lookahead_vecs]
+  __shared__ unsigned long long lookahead_landed;
+  if (threadIdx.x == 0) mbarrier_init(&lookahead_landed);
+  __syncthreads();
   const bool loads_ahead = static_cast<int>(threadIdx.x) / kWarpSize < ahead_warps;
-  unsigned folded = 0;
+  unsigned folded = 0, phase = 0;
   StreamChunk ahead;
-  bool have_ahead = false;  // `ahead` holds this thread's first chunk of stage s
+  bool have_ahead = false;  // `ahead` holds this thread's first chunk of the stage's register part
+  long long copied = 0;     // the stage's first vectors of the CTA's slice, in `lookahead`
   for (int s = 0; s < stages; ++s) {
     const StreamSlice slice = stream_slice(stage_ends, s);
-    for (long long base = slice.first; base < slice.end; base += kChunkLoads * kThreads) {
+    if (copied > 0) {
+      mbarrier_wait(&lookahead_landed, phase);
+      phase ^= 1;
+      for (long long i = threadIdx.x; i < copied; i += kThreads) folded ^= fold_words(lookahead[i]);
+    }
+    for (long long base = slice.first + copied; base < slice.end; base += kChunkLoads * kThreads) {
       StreamChunk chunk;
-      if (base == slice.first && have_ahead)
+      if (base == slice.first + copied && have_ahead)
         chunk = ahead;
       else
         load_stream_chunk(data, base, slice.end, chunk);
 #pragma unroll
-      for (int u = 0; u < kChunkLoads; ++u) folded ^= chunk.vec[u].x ^ chunk.vec[u].y ^ chunk.vec[u].z ^ chunk.vec[u].w;
+      for (int u = 0; u < kChunkLoads; ++u) folded ^= fold_words(chunk.vec[u]);
     }
     have_ahead = false;
+    copied = 0;
     if (edge_after[s]) {
-      const unsigned before = grid_arrive(counter);
-      if (s + 1 < stages && loads_ahead) {
+      const unsigned before = grid_arrive(counter);  // its __syncthreads: every read of `lookahead` is done
+      if (s + 1 < stages) {
         const StreamSlice next = stream_slice(stage_ends, s + 1);
-        load_stream_chunk(data, next.first, next.end, ahead);
-        have_ahead = true;
+        copied = min(static_cast<long long>(lookahead_vecs), next.end - next.first);
+        if (threadIdx.x == 0 && copied > 0)
+          bulk_copy_to_shared(lookahead, data + next.first, static_cast<unsigned>(copied * sizeof(uint4)),
+                              &lookahead_landed);
+        if (loads_ahead) {
+          load_stream_chunk(data, next.first + copied, next.end, ahead);
+          have_ahead = true;
+        }
       }
       grid_wait(counter, before);
     }

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from cuda.bindings import driver
 from cuda.core import Device, LaunchConfig, launch
 
 from .build import CompiledKernel, KernelCache, arch_for
@@ -36,6 +37,8 @@ STREAM_LAUNCHES = 20  # stream_stages launches back to back per timing, as a ste
 VECTOR_BYTES = 16  # stream_stages loads 16-byte vectors
 AHEAD_WARPS = WARPS // 2  # kPrefetchWarps of gemv.cuh: warps that load the next stage's first chunk at a barrier
 WORD_MASK = (1 << 32) - 1
+DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # what a kernel may take without raising its attribute
+MAX_LOOKAHEAD_BYTES = 226 * 1024  # of the 227 KB a CTA may take on Hopper and Blackwell, 1 KB left for the kernel's own
 PHASE_BIT = 1 << 31  # the counter's top bit flips once per barrier; its low bits return to zero
 # Stretches of barrier_after_code, in steps of 8 instructions (128 bytes): 8 KB to 256 KB.
 CODE_STEPS = (64, 256, 512, 768, 896, 1024, 1152, 1280, 1536, 2048)
@@ -55,13 +58,16 @@ class _Probe:
     """One probe kernel (compiled by `build(arch)` for `device`) on the device's whole grid: its
     rounds timed with CUDA events, less a launch of none, and its barrier counter checked."""
 
-    def __init__(self, build: Callable[[str], CompiledKernel], device: torch.device, threads: int = THREADS) -> None:
+    def __init__(self, build: Callable[[str], CompiledKernel], device: torch.device, threads: int = THREADS,
+                 dynamic_shared_bytes: int = 0) -> None:
         self.cuda_device = Device(device.index if device.index is not None else torch.cuda.current_device())
         self.cuda_device.set_current()
         self.compiled = build(arch_for(self.cuda_device.compute_capability))
         self.kernel = self.compiled.object_code().get_kernel(self.compiled.name_expression)
+        if dynamic_shared_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT:
+            _allow_dynamic_shared(self.kernel, self.cuda_device.device_id, dynamic_shared_bytes)
         self.grid = self.cuda_device.properties.multiprocessor_count
-        self.config = LaunchConfig(grid=self.grid, block=threads, is_cooperative=True)
+        self.config = LaunchConfig(grid=self.grid, block=threads, shmem_size=dynamic_shared_bytes, is_cooperative=True)
         self.stream = self.cuda_device.create_stream(torch.cuda.current_stream(device))
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # uint32 in the kernel; 8 bytes keep it aligned
 
@@ -92,6 +98,15 @@ class _Probe:
         return statistics.median(samples)
 
 
+def _allow_dynamic_shared(kernel, device_id: int, size: int) -> None:
+    """Let `kernel` take `size` bytes of dynamic shared memory, past the 48 KB every kernel may take
+    (cuda.core's kernel attributes are read-only: the driver's call, on the library kernel)."""
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (result,) = driver.cuKernelSetAttribute(attribute, size, kernel.handle, driver.CUdevice(device_id))
+    if result != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"the driver refused {size} bytes of dynamic shared memory for the probe: {result.name}")
+
+
 @dataclass(frozen=True)
 class StreamStage:
     """A stage of stream_stages: the bytes it reads (rounded up to 16-byte vectors) and whether a
@@ -114,21 +129,28 @@ def xor_of_words(data: torch.Tensor) -> int:
 
 
 def time_streaming_step(kernel_cache: KernelCache, device: torch.device, stages: Sequence[StreamStage],
-                        ahead_warps: int = AHEAD_WARPS, launches: int = STREAM_LAUNCHES) -> float:
+                        ahead_warps: int = AHEAD_WARPS, lookahead_bytes: int = 0,
+                        launches: int = STREAM_LAUNCHES) -> float:
     """Seconds per launch of stream_stages over `stages` (the kernel takes (counter, stages, data,
-    stage_ends, edge_after, ahead_warps, checksum)), their bytes laid out one after another in a
-    buffer of random words, read once per launch; the kernel's XOR of every word is checked first."""
+    stage_ends, edge_after, ahead_warps, lookahead_vecs, checksum)), their bytes laid out one after
+    another in a buffer of random words, read once per launch; the kernel's XOR of every word is
+    checked first. At each barrier every CTA reads ahead into the next stage: `lookahead_bytes` of
+    its slice into shared memory by the copy engine, and a chunk per lane of `ahead_warps` warps."""
     if not stages or any(stage.read_bytes < 1 for stage in stages):
         raise ValueError("stream_stages needs at least one stage, each reading at least one byte")
     if not 0 <= ahead_warps <= WARPS:
         raise ValueError(f"ahead_warps must be between 0 and {WARPS}, got {ahead_warps}")
+    if lookahead_bytes % VECTOR_BYTES or not 0 <= lookahead_bytes <= MAX_LOOKAHEAD_BYTES:
+        raise ValueError(f"lookahead_bytes must be a multiple of {VECTOR_BYTES} between 0 and {MAX_LOOKAHEAD_BYTES}, "
+                         f"got {lookahead_bytes}")
     ends = torch.tensor([-(-stage.read_bytes // VECTOR_BYTES) for stage in stages], dtype=torch.int64).cumsum(0)
     data = torch.randint(-(2**31), 2**31, (int(ends[-1]) * VECTOR_BYTES // 4,), dtype=torch.int32, device=device)
     stage_ends = ends.to(device)
     barrier_after = torch.tensor([stage.barrier_after for stage in stages], dtype=torch.int32, device=device)
     checksum = torch.zeros(2, dtype=torch.int32, device=device)  # word 0; 8 bytes keep it aligned
-    probe = _Probe(kernel_cache.stream_probe, device)
-    args = (data.data_ptr(), stage_ends.data_ptr(), barrier_after.data_ptr(), np.int32(ahead_warps), checksum.data_ptr())
+    probe = _Probe(kernel_cache.stream_probe, device, dynamic_shared_bytes=lookahead_bytes)
+    args = (data.data_ptr(), stage_ends.data_ptr(), barrier_after.data_ptr(), np.int32(ahead_warps),
+            np.int32(lookahead_bytes // VECTOR_BYTES), checksum.data_ptr())
     probe.launch(len(stages), args)  # module load, first launch
     checksum.zero_()
     probe.launch(len(stages), args)

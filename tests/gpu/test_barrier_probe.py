@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from megaserve.kernels.barrier_probe import (
+    MAX_LOOKAHEAD_BYTES,
     StreamStage,
     time_barrier_after_code,
     time_grid_barrier,
@@ -48,13 +49,16 @@ def _stages(barriers: bool) -> list[StreamStage]:
 
 def test_the_streaming_probe_reads_every_vector_once_and_its_barriers_cost_time(kernel_cache):
     """time_streaming_step raises when the kernel's XOR of the words it loaded is not the data's (a
-    vector skipped or read twice) or a CTA missed a barrier; here with and without barriers and
-    with and without the loads ahead of a barrier. (How fast is the bench's business: these bounds
+    vector skipped or read twice) or a CTA missed a barrier; here with and without barriers, and
+    with and without reading ahead at a barrier, into registers and into shared memory. (How fast is the bench's business: these bounds
     only catch a timing that is not of this launch.)"""
     device = torch.device("cuda")
     read_bytes = sum(STREAM_STAGES_BYTES)
-    for stages, ahead_warps in ((_stages(False), 8), (_stages(True), 8), (_stages(True), 0), (_stages(True), 16)):
-        seconds = time_streaming_step(kernel_cache, device, stages, ahead_warps)
+    # lookahead: none, a few vectors (less than the 16-byte stage), one full-size shared memory
+    variants = ((_stages(False), 8, 0), (_stages(True), 8, 0), (_stages(True), 0, 0), (_stages(True), 16, 0),
+                (_stages(True), 8, 16 * 4), (_stages(True), 0, MAX_LOOKAHEAD_BYTES))
+    for stages, ahead_warps, lookahead_bytes in variants:
+        seconds = time_streaming_step(kernel_cache, device, stages, ahead_warps, lookahead_bytes)
         # 300 MB at an HBM3e rate, between 1 and 6 TB/s, plus four barriers
         assert read_bytes / 6e12 < seconds < read_bytes / 1e12 + 4 * PLAUSIBLE_SECONDS[1]
 

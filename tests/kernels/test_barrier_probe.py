@@ -22,12 +22,18 @@ def test_the_xor_of_words_is_that_of_every_32_bit_word(words):
     assert xor_of_words(data.view(torch.uint8)) == expected  # any dtype: its bytes as words
 
 
-@pytest.mark.parametrize(("stages", "ahead_warps", "message"), [
-    ([], 8, "at least one stage"),
-    ([StreamStage("empty", 0, False)], 8, "at least one byte"),
-    ([StreamStage("qkv", 16, True)], 17, "between 0 and 16"),
-    ([StreamStage("qkv", 16, True)], -1, "between 0 and 16"),
+ONE_STAGE = [StreamStage("qkv", 16, True)]
+
+
+@pytest.mark.parametrize(("stages", "ahead_warps", "lookahead_bytes", "message"), [
+    ([], 8, 0, "at least one stage"),
+    ([StreamStage("empty", 0, False)], 8, 0, "at least one byte"),
+    (ONE_STAGE, 17, 0, "ahead_warps must be between 0 and 16"),
+    (ONE_STAGE, -1, 0, "ahead_warps must be between 0 and 16"),
+    (ONE_STAGE, 8, 8, "lookahead_bytes must be a multiple of 16 between 0 and 231424"),
+    (ONE_STAGE, 8, -16, "lookahead_bytes must be a multiple of 16"),
+    (ONE_STAGE, 8, 227 * 1024, "lookahead_bytes must be a multiple of 16"),
 ])
-def test_bad_stages_are_refused_before_any_launch(tmp_path, stages, ahead_warps, message):
+def test_bad_stages_are_refused_before_any_launch(stages, ahead_warps, lookahead_bytes, message):
     with pytest.raises(ValueError, match=message):
-        time_streaming_step(None, torch.device("cpu"), stages, ahead_warps)
+        time_streaming_step(None, torch.device("cpu"), stages, ahead_warps, lookahead_bytes)
