@@ -2,41 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import os
 import secrets
-import sys
 from pathlib import Path
 
 import pytest
 
+from megaserve.replicas.source_tree import import_installed_namesakes
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _import_installed_namesakes() -> list[str]:
-    """Import, ahead of everything, each installed distribution's top-level module that one of the
-    repository's folders would shadow; returns their names.
-
-    Python (`python -m pytest`) and pytest put the repository's root first on sys.path so that
-    `tests.*` imports, which makes its folders top-level packages too: `kernels/` then hides the
-    Hugging Face `kernels` distribution, which transformers (5.25 on) imports whenever it is
-    installed. Once the real module is in sys.modules, every later import of the name gets it."""
-    outside = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != REPO_ROOT]
-    installed = importlib.metadata.packages_distributions()
-    shadowed = sorted(folder.name for folder in REPO_ROOT.iterdir()
-                      if (folder / "__init__.py").is_file() and folder.name in installed and folder.name != "tests")
-    inside, sys.path[:] = sys.path[:], outside
-    try:
-        for name in shadowed:
-            sys.modules.pop(name, None)
-            importlib.import_module(name)
-    finally:
-        sys.path[:] = inside
-    return shadowed
-
-
-SHADOWED_DISTRIBUTIONS = _import_installed_namesakes()
+# Python (`python -m pytest`) and pytest put the repository's root first on sys.path, so that
+# `tests.*` imports: its folders would hide installed distributions of their names (see
+# replicas/source_tree.py) for every test module that imports one.
+SHADOWED_DISTRIBUTIONS = import_installed_namesakes(REPO_ROOT)
 
 # Ray reads its auth mode when it is first imported, which some test modules do at collection:
 # turn token authentication on here, before any of them, with a token of this test session's own

@@ -108,6 +108,7 @@ from ..protocol import (
     Tier,
     context_limit,
 )
+from ..source_tree import import_installed_namesakes
 from .engine_metrics import EngineMetrics
 from .stream import Chunk, TokenStream
 
@@ -293,6 +294,9 @@ def finish_of(reason: Mapping[str, Any] | None) -> tuple[FinishReason | None, st
 
 
 def _sglang_engine_class() -> Callable[..., Any]:
+    # SGLang imports transformers, which imports the `kernels` distribution: not megaserve's kernels/
+    # folder, which a replica started from a checkout has first on sys.path (source_tree.py).
+    import_installed_namesakes()
     try:
         import sglang
     except ImportError as exc:

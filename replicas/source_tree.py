@@ -1,0 +1,51 @@
+"""Installed distributions ahead of megaserve's own folders of the same names.
+
+In a checkout installed with `pip install -e .`, megaserve's packages are the top-level folders
+`deploy/`, `router/`, `replicas/`, `kernels/` and `monitoring/`, mapped into the `megaserve`
+namespace. Wherever the checkout's root is on sys.path, those folders are top-level packages as
+well, and hide installed distributions of the same names: Python (`python -m`) and pytest put the
+working directory there, and Ray puts the driver's working directory first on every worker's
+sys.path, so a `megaserve up` started in the checkout gives every replica that root. transformers
+(5.25 on) depends on Hugging Face's `kernels` distribution and imports it; SGLang imports
+transformers, and would get megaserve's kernels/ folder instead.
+
+`import_installed_namesakes()` imports each such distribution from where it is installed, before
+anything else imports the name, so that sys.modules holds it for every later import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+# The checkout's root in an editable install (site-packages/megaserve in a regular one, which is
+# never on sys.path), and megaserve's folders in it.
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_FOLDERS = ("deploy", "router", "replicas", "kernels", "monitoring")
+
+
+def _is_root(entry: str, root: Path) -> bool:
+    return Path(entry or os.curdir).resolve() == root
+
+
+def import_installed_namesakes(root: Path = SOURCE_ROOT) -> list[str]:
+    """Import the installed distribution's module of each of megaserve's folder names that `root`,
+    where it is on sys.path, would hide; returns their names (none where `root` is not on sys.path)."""
+    if not any(_is_root(entry, root) for entry in sys.path):
+        return []
+    installed = importlib.metadata.packages_distributions()
+    shadowed = [name for name in PACKAGE_FOLDERS if name in installed and (root / name / "__init__.py").is_file()]
+    inside = sys.path[:]
+    sys.path[:] = [entry for entry in inside if not _is_root(entry, root)]
+    try:
+        for name in shadowed:
+            module = sys.modules.get(name)
+            if module is not None and Path(module.__file__ or "").resolve().parent == root / name:
+                del sys.modules[name]  # imported from the folder already: import the distribution instead
+            importlib.import_module(name)
+    finally:
+        sys.path[:] = inside
+    return shadowed

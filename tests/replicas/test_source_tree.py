@@ -1,0 +1,95 @@
+"""Installed distributions named like megaserve's folders are imported from where they are installed,
+also where the checkout's root is first on sys.path: in this test process (pytest puts it there), in
+a process started in the checkout as Ray starts its workers (the driver's working directory first on
+sys.path), and in an SGLang replica's process before it imports SGLang (and so transformers)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from megaserve.replicas.source_tree import PACKAGE_FOLDERS, SOURCE_ROOT
+from tests.conftest import REPO_ROOT, SHADOWED_DISTRIBUTIONS
+
+INSTALLED = set(importlib.metadata.packages_distributions())
+# Hugging Face's `kernels`, which transformers 5.25 and later depends on and imports
+KERNELS_INSTALLED = "kernels" in INSTALLED
+
+
+def _in_checkout(code: str, cwd: Path = REPO_ROOT) -> dict:
+    """Run `code` in `python -c` from `cwd` (so that cwd is first on sys.path, as in a Ray worker of a
+    driver started there); it prints one JSON object, returned."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_an_editable_install_s_source_root_is_the_checkout():
+    assert SOURCE_ROOT == REPO_ROOT
+    assert all((REPO_ROOT / name / "__init__.py").is_file() for name in PACKAGE_FOLDERS)
+
+
+def test_this_test_process_has_the_installed_distributions():
+    assert set(SHADOWED_DISTRIBUTIONS) == set(PACKAGE_FOLDERS) & INSTALLED
+    for name in SHADOWED_DISTRIBUTIONS:
+        assert Path(sys.modules[name].__file__).resolve() != REPO_ROOT / name / "__init__.py", name
+    import transformers.integrations.hub_kernels  # raises ImportError where kernels/ stood in for `kernels`
+
+    assert transformers.integrations.hub_kernels.__name__ == "transformers.integrations.hub_kernels"
+
+
+def test_a_process_started_in_the_checkout_gets_the_distributions_once_they_are_imported():
+    found = _in_checkout("""
+        import importlib.util, json
+        before = importlib.util.find_spec("kernels").origin
+        from megaserve.replicas.source_tree import import_installed_namesakes
+        shadowed = import_installed_namesakes()
+        import kernels
+        import transformers.integrations.hub_kernels
+        print(json.dumps({"before": before, "shadowed": shadowed, "after": kernels.__file__}))
+    """)
+    assert Path(found["before"]) == REPO_ROOT / "kernels" / "__init__.py"  # the folder hides the distribution
+    assert set(found["shadowed"]) == set(PACKAGE_FOLDERS) & INSTALLED
+    assert (Path(found["after"]) != REPO_ROOT / "kernels" / "__init__.py") is KERNELS_INSTALLED
+
+
+def test_a_folder_imported_already_gives_way_to_the_distribution():
+    found = _in_checkout("""
+        import json, kernels
+        before = kernels.__file__
+        from megaserve.replicas.source_tree import import_installed_namesakes
+        import_installed_namesakes()
+        import kernels
+        print(json.dumps({"before": before, "after": kernels.__file__}))
+    """)
+    assert Path(found["before"]) == REPO_ROOT / "kernels" / "__init__.py"
+    assert (found["after"] != found["before"]) is KERNELS_INSTALLED
+
+
+def test_nothing_is_imported_where_the_checkout_is_not_on_sys_path(tmp_path):
+    found = _in_checkout("""
+        import json, sys
+        from megaserve.replicas.source_tree import import_installed_namesakes
+        print(json.dumps({"shadowed": import_installed_namesakes(), "kernels": "kernels" in sys.modules}))
+    """, cwd=tmp_path)
+    assert found == {"shadowed": [], "kernels": False}
+
+
+def test_the_sglang_engine_imports_them_before_sglang():
+    found = _in_checkout("""
+        import json, sys
+        from megaserve.replicas.engines.sglang_engine import _sglang_engine_class
+        try:
+            _sglang_engine_class()
+        except RuntimeError as error:  # no SGLang here: its import comes after the distributions'
+            refused = str(error)
+        print(json.dumps({"refused": refused, "kernels": getattr(sys.modules.get("kernels"), "__file__", None)}))
+    """)
+    assert "the sglang engine needs SGLang" in found["refused"]
+    if KERNELS_INSTALLED:
+        assert Path(found["kernels"]) != REPO_ROOT / "kernels" / "__init__.py"
