@@ -15,7 +15,10 @@ comes from its in-kernel timestamps (a second build with timing on; its cost is 
 Markdown table per model and context: each stage beside the bytes it must read, the bandwidth it
 reached and its time over the floor (bytes / measured bandwidth), and its closing barrier split
 into the tail of the CTAs' arrivals (median to last) and the release after the last one; the cost
-of one grid barrier alone (kernels/barrier_probe.py) is measured in the same run.
+of one grid barrier alone (kernels/barrier_probe.py) is measured in the same run. Under each stage
+table, the streaming probe (kernels/barrier_probe.py, `streaming_ceiling`): the same bytes streamed
+with 0, 3 (the megakernel's) or 4 grid barriers per layer and nothing else between the loads, the
+fastest that a kernel with those edges could be.
 
 `--kernel-sources NAME=DIR ...` times edited copies of the kernel sources beside the package's own
 (methods `megakernel:NAME` beside `megakernel`), on the same weights and cache: their CUDA graphs are
