@@ -14,8 +14,9 @@
 // contiguous slice per CTA), loading as the GEMVs load weights (load_weights16, kChunkLoads loads
 // per thread in flight), and crosses a grid barrier after each stage whose edge_after[s] is set.
 // Between arriving and waiting, the CTA reads ahead into the next stage (in shared memory by the
-// copy engine, and in registers as prefetch_weights does). Timed with the step's own edges and with none, it shows
-// what the edges alone cost a step that streams at the loads' rate, with no dependent work at all.
+// copy engine, and in registers as prefetch_weights does). Timed with the step's own edges and
+// with none, it shows what the edges alone cost a step that streams at the loads' rate, with no
+// dependent work at all.
 // Every word loaded is folded into an XOR (atomicXor into *checksum), so that no load is dropped
 // and the launcher can check that each vector was read exactly once.
 #include "common.cuh"
