@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ from pathlib import Path
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_FOLDERS = ("deploy", "router", "replicas", "kernels", "monitoring")
 
+log = logging.getLogger(__name__)
+
 
 def _is_root(entry: str, root: Path) -> bool:
     return Path(entry or os.curdir).resolve() == root
@@ -33,19 +36,25 @@ def _is_root(entry: str, root: Path) -> bool:
 
 def import_installed_namesakes(root: Path = SOURCE_ROOT) -> list[str]:
     """Import the installed distribution's module of each of megaserve's folder names that `root`,
-    where it is on sys.path, would hide; returns their names (none where `root` is not on sys.path)."""
+    where it is on sys.path, would hide; returns their names (none where `root` is not on sys.path).
+    A distribution that fails to import is left out with a warning: its importers fail as they would
+    anyway, and an SGLang replica does not fail for a package it never uses."""
     if not any(_is_root(entry, root) for entry in sys.path):
         return []
     installed = importlib.metadata.packages_distributions()
     shadowed = [name for name in PACKAGE_FOLDERS if name in installed and (root / name / "__init__.py").is_file()]
-    inside = sys.path[:]
+    imported, inside = shadowed[:], sys.path[:]
     sys.path[:] = [entry for entry in inside if not _is_root(entry, root)]
     try:
         for name in shadowed:
             module = sys.modules.get(name)
             if module is not None and Path(module.__file__ or "").resolve().parent == root / name:
                 del sys.modules[name]  # imported from the folder already: import the distribution instead
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except Exception as error:  # noqa: BLE001 - a third party's import, reported and skipped
+                log.warning("the installed %r (%s) does not import: %s", name, ", ".join(installed[name]), error)
+                imported.remove(name)
     finally:
         sys.path[:] = inside
-    return shadowed
+    return imported

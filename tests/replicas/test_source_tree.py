@@ -5,6 +5,7 @@ sys.path), and in an SGLang replica's process before it imports SGLang (and so t
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import subprocess
@@ -12,7 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from megaserve.replicas.source_tree import PACKAGE_FOLDERS, SOURCE_ROOT
+from megaserve.replicas import source_tree
+from megaserve.replicas.source_tree import PACKAGE_FOLDERS, SOURCE_ROOT, import_installed_namesakes
 from tests.conftest import REPO_ROOT, SHADOWED_DISTRIBUTIONS
 
 INSTALLED = set(importlib.metadata.packages_distributions())
@@ -93,3 +95,21 @@ def test_the_sglang_engine_imports_them_before_sglang():
     assert "the sglang engine needs SGLang" in found["refused"]
     if KERNELS_INSTALLED:
         assert Path(found["kernels"]) != REPO_ROOT / "kernels" / "__init__.py"
+
+
+def test_a_distribution_that_does_not_import_is_left_out_with_a_warning(monkeypatch, caplog):
+    """An installed `router` whose import fails: reported, the others still imported, nothing raised
+    (`kernels` here where it is installed, and also reported where it is not)."""
+    importer = importlib.import_module
+
+    def import_module(name):
+        if name == "router":
+            raise ImportError("a broken install")
+        return importer(name)
+
+    monkeypatch.setattr(source_tree.importlib.metadata, "packages_distributions",
+                        lambda: {"router": ["broken-router"], "kernels": ["kernels"]})
+    monkeypatch.setattr(source_tree.importlib, "import_module", import_module)
+    monkeypatch.delitem(sys.modules, "router", raising=False)
+    assert import_installed_namesakes(REPO_ROOT) == (["kernels"] if KERNELS_INSTALLED else [])
+    assert "the installed 'router' (broken-router) does not import: a broken install" in caplog.text
