@@ -77,9 +77,13 @@ class _Probe:
             raise ValueError(f"rounds must be at least 1, got {rounds}")
         self.seconds_per_launch(rounds, extra_args)  # warm-up: module load, first launch
         per_round = (self.seconds_per_launch(rounds, extra_args) - self.seconds_per_launch(0, extra_args)) / rounds
+        self.check_counter()
+        return per_round
+
+    def check_counter(self) -> None:
+        """Every CTA took every barrier: the counter is back at a phase boundary."""
         if int(self.counter.item()) % PHASE_BIT != 0:
             raise RuntimeError(f"the barrier counter ended at {int(self.counter.item()):#x}: a CTA missed a barrier")
-        return per_round
 
     def launch(self, rounds: int, extra_args: tuple) -> None:
         launch(self.stream, self.config, self.kernel, self.counter.data_ptr(), np.int32(rounds), *extra_args)
@@ -158,8 +162,7 @@ def time_streaming_step(kernel_cache: KernelCache, device: torch.device, stages:
     if folded != expected:
         raise RuntimeError(f"stream_stages folded {folded:#010x}, the data's XOR is {expected:#010x}: a vector "
                            "was skipped or read twice")
-    if int(probe.counter.item()) % PHASE_BIT != 0:
-        raise RuntimeError(f"the barrier counter ended at {int(probe.counter.item()):#x}: a CTA missed a barrier")
+    probe.check_counter()
     return probe.seconds_per_launch(len(stages), args, launches)
 
 
