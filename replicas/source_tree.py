@@ -10,7 +10,10 @@ sys.path, so a `megaserve up` started in the checkout gives every replica that r
 transformers, and would get megaserve's kernels/ folder instead.
 
 `import_installed_namesakes()` imports each such distribution from where it is installed, before
-anything else imports the name, so that sys.modules holds it for every later import.
+anything else imports the name, so that sys.modules holds it for every later import, and moves the
+root behind every other sys.path entry, so that processes this one spawns (SGLang starts its
+scheduler with multiprocessing's spawn, which copies sys.path, not sys.modules) find the
+distributions first too. megaserve's own imports go through its install's finder, not that entry.
 """
 
 from __future__ import annotations
@@ -36,15 +39,16 @@ def _is_root(entry: str, root: Path) -> bool:
 
 def import_installed_namesakes(root: Path = SOURCE_ROOT) -> list[str]:
     """Import the installed distribution's module of each of megaserve's folder names that `root`,
-    where it is on sys.path, would hide; returns their names (none where `root` is not on sys.path).
+    where it is on sys.path, would hide, and leave `root` last on sys.path; returns their names
+    (none where `root` is not on sys.path, which is then left as it is).
     A distribution that fails to import is left out with a warning: its importers fail as they would
     anyway, and an SGLang replica does not fail for a package it never uses."""
     if not any(_is_root(entry, root) for entry in sys.path):
         return []
     installed = importlib.metadata.packages_distributions()
     shadowed = [name for name in PACKAGE_FOLDERS if name in installed and (root / name / "__init__.py").is_file()]
-    imported, inside = shadowed[:], sys.path[:]
-    sys.path[:] = [entry for entry in inside if not _is_root(entry, root)]
+    imported, at_root = shadowed[:], [entry for entry in sys.path if _is_root(entry, root)]
+    sys.path[:] = [entry for entry in sys.path if not _is_root(entry, root)]
     try:
         for name in shadowed:
             module = sys.modules.get(name)
@@ -56,5 +60,5 @@ def import_installed_namesakes(root: Path = SOURCE_ROOT) -> list[str]:
                 log.warning("the installed %r (%s) does not import: %s", name, ", ".join(installed[name]), error)
                 imported.remove(name)
     finally:
-        sys.path[:] = inside
+        sys.path.extend(at_root)
     return imported

@@ -60,6 +60,22 @@ def test_a_process_started_in_the_checkout_gets_the_distributions_once_they_are_
     assert (Path(found["after"]) != REPO_ROOT / "kernels" / "__init__.py") is KERNELS_INSTALLED
 
 
+def test_a_process_it_spawns_imports_the_distributions_too():
+    """SGLang starts its scheduler with multiprocessing's spawn, whose child gets this sys.path and
+    none of these sys.modules; transformers' import of `kernels` there is the one that must work."""
+    found = _in_checkout("""
+        import json, importlib, multiprocessing, os, sys
+        from megaserve.replicas.source_tree import import_installed_namesakes
+        import_installed_namesakes()
+        child = multiprocessing.get_context("spawn").Process(
+            target=importlib.import_module, args=("transformers.integrations.hub_kernels",))
+        child.start(), child.join()
+        print(json.dumps({"exitcode": child.exitcode, "last": os.path.abspath(sys.path[-1])}))
+    """)
+    assert found["exitcode"] == 0
+    assert found["last"] == str(REPO_ROOT)
+
+
 def test_a_folder_imported_already_gives_way_to_the_distribution():
     found = _in_checkout("""
         import json, kernels
