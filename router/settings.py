@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaserve.replicas.protocol import CONFIG_FILE, GENERATION_CONFIG_FILE
+from megaserve.replicas.protocol import CONFIG_FILE, GENERATION_CONFIG_FILE, is_integer, is_number
 
 # OpenAI's sampling defaults (top_k is an extension: 0 keeps every token), and the range a model's
 # generation_config.json value must be in to replace one.
@@ -96,8 +96,8 @@ def sampling_defaults(model_dir: str) -> dict[str, float]:
     defaults = dict(OPENAI_SAMPLING_DEFAULTS)
     for name, (low, high) in SAMPLING_RANGES.items():
         value = raw.get(name) if isinstance(raw, dict) else None
-        kind = int if name == "top_k" else (int, float)
-        if isinstance(value, kind) and not isinstance(value, bool) and low <= value <= high:
+        typed = is_integer(value) if name == "top_k" else is_number(value)
+        if typed and low <= value <= high:
             defaults[name] = value
     return defaults
 
