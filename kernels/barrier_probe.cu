@@ -80,8 +80,13 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void mbarrier_init(unsigned long long* barrier) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barrier)) : "memory");
+// A phase of `barrier` completes after `arrivals` arrivals (and the bytes they expect, if any).
+__device__ __forceinline__ void mbarrier_init(unsigned long long* barrier, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier)) : "memory");
 }
 
 // Thread 0: bytes (a multiple of 16) at src into dst (both 16-byte aligned), completing the
@@ -115,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const int* __restrict__ edge_after, int ahead_warps, int lookahead_vecs, unsigned* checksum) {
   extern __shared__ uint4 lookahead[];  // [lookahead_vecs]
   __shared__ unsigned long long lookahead_landed;
-  if (threadIdx.x == 0) mbarrier_init(&lookahead_landed);
+  if (threadIdx.x == 0) mbarrier_init(&lookahead_landed, 1);
   __syncthreads();
   const bool loads_ahead = static_cast<int>(threadIdx.x) / kWarpSize < ahead_warps;
   unsigned folded = 0, phase = 0;
@@ -155,6 +160,76 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       grid_wait(counter, before);
     }
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) folded ^= __shfl_xor_sync(kFullMask, folded, offset);
+  if (threadIdx.x % kWarpSize == 0) atomicXor(checksum, folded);
+}
+
+// stream_stages_ring streams the same slices with the loads taken off the edges, as a megakernel
+// with a loader warp per SM would: the CTA's last warp only has the copy engine bring its slices
+// of every stage, in order, into a ring of kRingSlots slots of shared memory (slot_vecs vectors
+// each), and waits for nothing but a free slot; the other warps fold the slots in the same order
+// and alone cross the grid barriers. While they wait at one, the loader's copies of the next
+// stage's bytes keep HBM busy until the ring is full.
+constexpr int kLoaderWarp = kWarps - 1;
+constexpr int kRingConsumers = kLoaderWarp * kWarpSize;  // the threads that fold and cross the barriers
+using RingConsumers = FirstThreads<1, kRingConsumers>;
+
+// The CTA's slices of all stages, cut into chunks of at most slot_vecs vectors: chunk k fills slot
+// k % kRingSlots for the (k / kRingSlots)-th time. The loader and the consumers walk it alike.
+struct RingChunk {
+  long long first, count, index;
+};
+
+template <class Visit>
+__device__ __forceinline__ void for_each_ring_chunk(const long long* stage_ends, int s, int slot_vecs,
+                                                    long long& index, Visit visit) {
+  const StreamSlice slice = stream_slice(stage_ends, s);
+  for (long long v = slice.first; v < slice.end; v += slot_vecs, ++index)
+    visit(RingChunk{v, min(static_cast<long long>(slot_vecs), slice.end - v), index});
+}
+
+template <int kRingSlots>
+__global__ void __launch_bounds__(kThreads, 1)
+    stream_stages_ring(unsigned* counter, int stages, const uint4* __restrict__ data,
+                       const long long* __restrict__ stage_ends, const int* __restrict__ edge_after, int slot_vecs,
+                       unsigned* checksum) {
+  static_assert(kRingSlots >= 2, "one slot filling while another is folded");
+  extern __shared__ uint4 ring[];  // [kRingSlots][slot_vecs]
+  __shared__ unsigned long long slot_full[kRingSlots], slot_free[kRingSlots];
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kRingSlots; ++i) {
+      mbarrier_init(&slot_full[i], 1);                      // the loader's expect_tx arrival
+      mbarrier_init(&slot_free[i], kRingConsumers / kWarpSize);  // one arrival per consumer warp
+    }
+  }
+  __syncthreads();
+  long long index = 0;
+  if (threadIdx.x / kWarpSize == kLoaderWarp) {
+    if (threadIdx.x % kWarpSize == 0) {
+      for (int s = 0; s < stages; ++s)
+        for_each_ring_chunk(stage_ends, s, slot_vecs, index, [&](const RingChunk& chunk) {
+          const int slot = chunk.index % kRingSlots;
+          const long long fill = chunk.index / kRingSlots;
+          if (fill > 0) mbarrier_wait(&slot_free[slot], (fill - 1) & 1);  // its previous fill folded
+          bulk_copy_to_shared(ring + static_cast<long long>(slot) * slot_vecs, data + chunk.first,
+                              static_cast<unsigned>(chunk.count * sizeof(uint4)), &slot_full[slot]);
+        });
+    }
+    return;  // never at a barrier: the consumers' named barrier counts only their own warps
+  }
+  unsigned folded = 0;
+  for (int s = 0; s < stages; ++s) {
+    for_each_ring_chunk(stage_ends, s, slot_vecs, index, [&](const RingChunk& chunk) {
+      const int slot = chunk.index % kRingSlots;
+      mbarrier_wait(&slot_full[slot], (chunk.index / kRingSlots) & 1);
+      const uint4* landed = ring + static_cast<long long>(slot) * slot_vecs;
+      for (long long i = threadIdx.x; i < chunk.count; i += kRingConsumers) folded ^= fold_words(landed[i]);
+      __syncwarp();
+      if (threadIdx.x % kWarpSize == 0) mbarrier_arrive(&slot_free[slot]);
+    });
+    if (edge_after[s]) grid_wait<RingConsumers>(counter, grid_arrive<RingConsumers>(counter));
   }
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) folded ^= __shfl_xor_sync(kFullMask, folded, offset);

@@ -12,7 +12,10 @@ would cost the decode step (whose size is `KernelCache.decode_step(...).code_byt
 grid streams each stage's bytes as the GEMVs stream weights and crosses a grid barrier where the
 step has one. Timed with the step's edges and with none, on the same bytes, it gives what the edges
 alone cost a step with no dependent work, and so the fastest that a kernel with those edges could
-be (the bench prints it per model and context).
+be (the bench prints it per model and context). `time_streaming_ring` (stream_stages_ring) streams
+the same stages with the loads taken off the edges: a loader warp per SM has the copy engine fill a
+ring of shared memory and never waits at a barrier, which only the other warps cross; it shows
+whether loads that run past the edges would hide them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ AHEAD_WARPS = WARPS // 2  # kPrefetchWarps of gemv.cuh: warps that load the next
 WORD_MASK = (1 << 32) - 1
 DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # what a kernel may take without raising its attribute
 MAX_LOOKAHEAD_BYTES = 226 * 1024  # of the 227 KB a CTA may take on Hopper and Blackwell, 1 KB left for the kernel's own
+# stream_stages_ring's default ring: 64 KB per SM in 4 slots of 16 KB, each one bulk copy, its
+# fastest on the H200 (run 77: smaller slots cost the consumers a wait per slot, more slots or bytes
+# streamed slower).
+RING_BYTES = 64 * 1024
+RING_SLOTS = 4
 PHASE_BIT = 1 << 31  # the counter's top bit flips once per barrier; its low bits return to zero
 # Stretches of barrier_after_code, in steps of 8 instructions (128 bytes): 8 KB to 256 KB.
 CODE_STEPS = (64, 256, 512, 768, 896, 1024, 1152, 1280, 1536, 2048)
@@ -132,38 +140,76 @@ def xor_of_words(data: torch.Tensor) -> int:
     return int(words.item()) & WORD_MASK
 
 
+class _StreamedBytes:
+    """The bytes of `stages` laid out one after another in a buffer of random words on `device`, with
+    the stage ends (in 16-byte vectors) and barrier flags that the streaming kernels take, and the
+    word their XOR must fold to."""
+
+    def __init__(self, stages: Sequence[StreamStage], device: torch.device) -> None:
+        if not stages or any(stage.read_bytes < 1 for stage in stages):
+            raise ValueError("stream_stages needs at least one stage, each reading at least one byte")
+        ends = torch.tensor([-(-stage.read_bytes // VECTOR_BYTES) for stage in stages], dtype=torch.int64).cumsum(0)
+        self.stages = len(stages)
+        self.data = torch.randint(-(2**31), 2**31, (int(ends[-1]) * VECTOR_BYTES // 4,), dtype=torch.int32,
+                                  device=device)
+        self.stage_ends = ends.to(device)
+        self.barrier_after = torch.tensor([stage.barrier_after for stage in stages], dtype=torch.int32, device=device)
+        self.checksum = torch.zeros(2, dtype=torch.int32, device=device)  # word 0; 8 bytes keep it aligned
+
+    def seconds_per_launch(self, probe: _Probe, args: tuple, launches: int) -> float:
+        """Seconds per launch of `probe` (which takes (counter, stages, *args), args holding the checksum's
+        address), once its XOR of every word read and its barrier counter are checked."""
+        probe.launch(self.stages, args)  # module load, first launch
+        self.checksum.zero_()
+        probe.launch(self.stages, args)
+        expected, folded = xor_of_words(self.data), int(self.checksum[0].item()) & WORD_MASK
+        if folded != expected:
+            raise RuntimeError(f"{probe.compiled.name_expression} folded {folded:#010x}, the data's XOR is "
+                               f"{expected:#010x}: a vector was skipped or read twice")
+        probe.check_counter()
+        return probe.seconds_per_launch(self.stages, args, launches)
+
+
 def time_streaming_step(kernel_cache: KernelCache, device: torch.device, stages: Sequence[StreamStage],
                         ahead_warps: int = AHEAD_WARPS, lookahead_bytes: int = 0,
                         launches: int = STREAM_LAUNCHES) -> float:
     """Seconds per launch of stream_stages over `stages` (the kernel takes (counter, stages, data,
-    stage_ends, edge_after, ahead_warps, lookahead_vecs, checksum)), their bytes laid out one after
-    another in a buffer of random words, read once per launch; the kernel's XOR of every word is
-    checked first. At each barrier every CTA reads ahead into the next stage: `lookahead_bytes` of
-    its slice into shared memory by the copy engine, and a chunk per lane of `ahead_warps` warps."""
-    if not stages or any(stage.read_bytes < 1 for stage in stages):
-        raise ValueError("stream_stages needs at least one stage, each reading at least one byte")
+    stage_ends, edge_after, ahead_warps, lookahead_vecs, checksum)), their bytes read once per launch;
+    the kernel's XOR of every word is checked first. At each barrier every CTA reads ahead into the
+    next stage: `lookahead_bytes` of its slice into shared memory by the copy engine, and a chunk per
+    lane of `ahead_warps` warps."""
     if not 0 <= ahead_warps <= WARPS:
         raise ValueError(f"ahead_warps must be between 0 and {WARPS}, got {ahead_warps}")
     if lookahead_bytes % VECTOR_BYTES or not 0 <= lookahead_bytes <= MAX_LOOKAHEAD_BYTES:
         raise ValueError(f"lookahead_bytes must be a multiple of {VECTOR_BYTES} between 0 and {MAX_LOOKAHEAD_BYTES}, "
                          f"got {lookahead_bytes}")
-    ends = torch.tensor([-(-stage.read_bytes // VECTOR_BYTES) for stage in stages], dtype=torch.int64).cumsum(0)
-    data = torch.randint(-(2**31), 2**31, (int(ends[-1]) * VECTOR_BYTES // 4,), dtype=torch.int32, device=device)
-    stage_ends = ends.to(device)
-    barrier_after = torch.tensor([stage.barrier_after for stage in stages], dtype=torch.int32, device=device)
-    checksum = torch.zeros(2, dtype=torch.int32, device=device)  # word 0; 8 bytes keep it aligned
+    streamed = _StreamedBytes(stages, device)
     probe = _Probe(kernel_cache.stream_probe, device, dynamic_shared_bytes=lookahead_bytes)
-    args = (data.data_ptr(), stage_ends.data_ptr(), barrier_after.data_ptr(), np.int32(ahead_warps),
-            np.int32(lookahead_bytes // VECTOR_BYTES), checksum.data_ptr())
-    probe.launch(len(stages), args)  # module load, first launch
-    checksum.zero_()
-    probe.launch(len(stages), args)
-    expected, folded = xor_of_words(data), int(checksum[0].item()) & WORD_MASK
-    if folded != expected:
-        raise RuntimeError(f"stream_stages folded {folded:#010x}, the data's XOR is {expected:#010x}: a vector "
-                           "was skipped or read twice")
-    probe.check_counter()
-    return probe.seconds_per_launch(len(stages), args, launches)
+    args = (streamed.data.data_ptr(), streamed.stage_ends.data_ptr(), streamed.barrier_after.data_ptr(),
+            np.int32(ahead_warps), np.int32(lookahead_bytes // VECTOR_BYTES), streamed.checksum.data_ptr())
+    return streamed.seconds_per_launch(probe, args, launches)
+
+
+def time_streaming_ring(kernel_cache: KernelCache, device: torch.device, stages: Sequence[StreamStage],
+                        ring_bytes: int = RING_BYTES, ring_slots: int = RING_SLOTS,
+                        launches: int = STREAM_LAUNCHES) -> float:
+    """Seconds per launch of stream_stages_ring<ring_slots> over `stages` (the kernel takes (counter,
+    stages, data, stage_ends, edge_after, slot_vecs, checksum)): the same bytes, loaded by each CTA's
+    loader warp into a ring of `ring_bytes` of shared memory in `ring_slots` equal slots, whatever the
+    grid barriers, which only the other warps cross."""
+    if ring_slots < 2:
+        raise ValueError(f"ring_slots must be at least 2, got {ring_slots}")
+    slot_bytes = ring_bytes // ring_slots
+    if ring_bytes > MAX_LOOKAHEAD_BYTES or slot_bytes < VECTOR_BYTES or ring_bytes != slot_bytes * ring_slots \
+            or slot_bytes % VECTOR_BYTES:
+        raise ValueError(f"ring_bytes must be at most {MAX_LOOKAHEAD_BYTES} and {ring_slots} slots of a multiple of "
+                         f"{VECTOR_BYTES} bytes, got {ring_bytes}")
+    streamed = _StreamedBytes(stages, device)
+    probe = _Probe(lambda arch: kernel_cache.stream_ring_probe(arch, ring_slots), device,
+                   dynamic_shared_bytes=ring_bytes)
+    args = (streamed.data.data_ptr(), streamed.stage_ends.data_ptr(), streamed.barrier_after.data_ptr(),
+            np.int32(slot_bytes // VECTOR_BYTES), streamed.checksum.data_ptr())
+    return streamed.seconds_per_launch(probe, args, launches)
 
 
 def time_grid_barrier(kernel_cache: KernelCache, device: torch.device, rounds: int = DEFAULT_ROUNDS) -> float:

@@ -36,6 +36,7 @@ BARRIER_PROBE_SOURCE = "barrier_probe.cu"
 BARRIER_PROBE_NAME = "megakernel::barrier_probe"
 CODE_PROBE_TEMPLATE = "megakernel::barrier_after_code<{steps}>"
 STREAM_PROBE_NAME = "megakernel::stream_stages"
+STREAM_RING_PROBE_TEMPLATE = "megakernel::stream_stages_ring<{slots}>"
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inc", ".inl")  # the files a kernel may include
 CXX_STANDARD = "c++17"
 # NVRTC's options but the target and the include path (which differ per build and per machine).
@@ -242,6 +243,13 @@ class KernelCache:
         """The cubin of stream_stages (the step's bytes streamed in stages, with grid barriers
         between them) on `arch`."""
         return self._kernel(BARRIER_PROBE_SOURCE, STREAM_PROBE_NAME, arch)
+
+    def stream_ring_probe(self, arch: str, slots: int) -> CompiledKernel:
+        """The cubin of stream_stages_ring<slots> (the same stages, loaded by a loader warp into a ring
+        of `slots` slots of shared memory, off the grid barriers) on `arch`."""
+        if slots < 2:
+            raise ValueError(f"the ring needs at least 2 slots, got {slots}")
+        return self._kernel(BARRIER_PROBE_SOURCE, STREAM_RING_PROBE_TEMPLATE.format(slots=slots), arch)
 
     def _kernel(self, source_name: str, name_expression: str, arch: str) -> CompiledKernel:
         if arch not in supported_archs() and arch.rstrip("a") not in supported_archs():

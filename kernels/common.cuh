@@ -121,10 +121,25 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// The threads of a CTA that take part in its side of a grid barrier or count: all of them, or, in a
+// kernel whose last warps never wait on other CTAs (a loader that only fills shared memory), the
+// first kCount threads on named hardware barrier kId (0 is __syncthreads' own). Thread 0 is always
+// one of them.
+struct WholeCta {
+  __device__ __forceinline__ static void sync() { __syncthreads(); }
+};
+
+template <unsigned kId, unsigned kCount>
+struct FirstThreads {
+  static_assert(kId > 0 && kCount % kWarpSize == 0, "a named barrier other than 0, over whole warps");
+  __device__ __forceinline__ static void sync() { asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kCount) : "memory"); }
+};
+
 // Thread 0 makes the CTA's writes visible, then adds `value` to `counter`; returns the count before
 // the add (meaningful in thread 0).
+template <class Cta = WholeCta>
 __device__ __forceinline__ unsigned publish_and_add(unsigned* counter, unsigned value) {
-  __syncthreads();
+  Cta::sync();
   unsigned before = 0;
   if (threadIdx.x == 0) {
     __threadfence();  // this CTA's writes are visible before its arrival is
@@ -149,16 +164,18 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* counter) {
 // those loads return. Thread 0's acquire load orders its later reads, __syncthreads extends that to
 // the CTA, and every read of another CTA's data goes to L2 (ld.cg / ld.acquire), never to a
 // possibly stale L1 line.
+template <class Cta = WholeCta>
 __device__ __forceinline__ unsigned grid_arrive(unsigned* counter) {
-  return publish_and_add(counter, blockIdx.x == 0 ? kBarrierFlipBit - (gridDim.x - 1) : 1u);
+  return publish_and_add<Cta>(counter, blockIdx.x == 0 ? kBarrierFlipBit - (gridDim.x - 1) : 1u);
 }
 
+template <class Cta = WholeCta>
 __device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned before) {
   if (threadIdx.x == 0) {
     while (((before ^ load_acquire(counter)) & kBarrierFlipBit) == 0) {
     }
   }
-  __syncthreads();
+  Cta::sync();
 }
 
 // `between` runs after this CTA arrives and before it waits: independent work only.

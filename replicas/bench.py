@@ -18,7 +18,9 @@ into the tail of the CTAs' arrivals (median to last) and the release after the l
 of one grid barrier alone (kernels/barrier_probe.py) is measured in the same run. Under each stage
 table, the streaming probe (kernels/barrier_probe.py, `streaming_ceiling`): the same bytes streamed
 with 0, 3 (the megakernel's) or 4 grid barriers per layer and nothing else between the loads, the
-fastest that a kernel with those edges could be.
+fastest that a kernel with those edges could be; and the same bytes loaded by a loader warp per SM
+into a ring of shared memory that never waits at the barriers (`ring_streaming`), what a kernel
+whose loads run past its edges could be.
 
 `--kernel-sources NAME=DIR ...` times edited copies of the kernel sources beside the package's own
 (methods `megakernel:NAME` beside `megakernel`), on the same weights and cache: their CUDA graphs are
@@ -43,7 +45,14 @@ from pathlib import Path
 
 import torch
 
-from megaserve.kernels.barrier_probe import StreamStage, time_grid_barrier, time_streaming_step
+from megaserve.kernels.barrier_probe import (
+    RING_BYTES,
+    RING_SLOTS,
+    StreamStage,
+    time_grid_barrier,
+    time_streaming_ring,
+    time_streaming_step,
+)
 from megaserve.kernels.build import KernelBuildError, KernelCache
 from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep, StageTimes, store_down_transposed
 from megaserve.kernels.profiling import count_kernel_launches
@@ -118,6 +127,7 @@ class Result:
     # The package's megakernel only: ms per step of the streaming probe over the same bytes, by the
     # grid barriers per layer it crosses (streaming_ceiling)
     stream_ms: dict[int, float] = field(default_factory=dict)
+    ring_stream_ms: dict[int, float] = field(default_factory=dict)  # the same with the loader ring (ring_streaming)
     error: str | None = None  # set (and the figures NaN) when this method failed to run
 
 
@@ -160,6 +170,19 @@ def streaming_ceiling(config: ModelConfig, context_len: int, kernel_cache: Kerne
     else between its loads, could be."""
     return {count: time_streaming_step(kernel_cache, device, streaming_stages(config, context_len, count)) * 1e3
             for count in STREAM_BARRIERS_PER_LAYER}
+
+
+# Grid barriers per layer of the ring probe: none (the ring's own rate) and the megakernel's three.
+RING_BARRIERS_PER_LAYER = (0, 3)
+
+
+def ring_streaming(config: ModelConfig, context_len: int, kernel_cache: KernelCache,
+                   device: torch.device) -> dict[int, float]:
+    """ms per step of the ring probe (time_streaming_ring: a loader warp per SM fills a ring of
+    shared memory through the copy engine and never waits at a barrier) over the step's bytes, by
+    grid barriers per layer (RING_BARRIERS_PER_LAYER)."""
+    return {count: time_streaming_ring(kernel_cache, device, streaming_stages(config, context_len, count)) * 1e3
+            for count in RING_BARRIERS_PER_LAYER}
 
 
 def random_model(config: ModelConfig, device: torch.device) -> Model:
@@ -278,6 +301,7 @@ def bench_context(
                          "round_ms": [seconds * 1e3 for seconds in round_seconds]}
                 if method == MEGAKERNEL:
                     extra["stream_ms"] = streaming_ceiling(model.config, context + 1, kernel_caches[method], device)
+                    extra["ring_stream_ms"] = ring_streaming(model.config, context + 1, kernel_caches[method], device)
                 yield method, (statistics.median(round_seconds), launches, extra)
     baselines = {
         "eager": lambda: (time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager), {}),
@@ -400,11 +424,18 @@ def _stage_table(r: Result, bandwidth: float) -> list[str]:
         repeat = r.stage_late_repeat.get(name)
         barrier += f" | {100 * repeat:.0f}%" if repeat is not None else " | "
         lines.append(f"| {name} | {read_bytes / 1e6:,.1f} | {ms:.3f} | {rate} | {over_floor:+.3f} | {barrier} |")
+    step_bytes = sum(r.stage_bytes.values())
+
+    def per_barrier_count(probe_ms: dict[int, float]) -> str:
+        return ", ".join(f"{count} per layer {ms:.3f} ms ({100 * step_bytes / (ms * 1e-3) / bandwidth:.1f}%)"
+                         for count, ms in probe_ms.items())
+
     if r.stream_ms:
-        step_bytes = sum(r.stage_bytes.values())
-        lines.append("streaming probe, the same bytes with nothing between the loads but grid barriers: " + ", ".join(
-            f"{count} per layer {ms:.3f} ms ({100 * step_bytes / (ms * 1e-3) / bandwidth:.1f}%)"
-            for count, ms in r.stream_ms.items()))
+        lines.append("streaming probe, the same bytes with nothing between the loads but grid barriers: "
+                     + per_barrier_count(r.stream_ms))
+    if r.ring_stream_ms:
+        lines.append(f"the same loaded by a loader warp per SM into a {RING_BYTES // 1024} KB ring of {RING_SLOTS} "
+                     "slots, past the barriers: " + per_barrier_count(r.ring_stream_ms))
     return lines
 
 

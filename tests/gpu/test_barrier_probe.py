@@ -11,6 +11,7 @@ from megaserve.kernels.barrier_probe import (
     StreamStage,
     time_barrier_after_code,
     time_grid_barrier,
+    time_streaming_ring,
     time_streaming_step,
     xor_of_words,
 )
@@ -61,6 +62,20 @@ def test_the_streaming_probe_reads_every_vector_once_and_its_barriers_cost_time(
         seconds = time_streaming_step(kernel_cache, device, stages, ahead_warps, lookahead_bytes)
         # 300 MB at an HBM3e rate, between 1 and 6 TB/s, plus four barriers
         assert read_bytes / 6e12 < seconds < read_bytes / 1e12 + 4 * PLAUSIBLE_SECONDS[1]
+
+
+def test_the_ring_probe_reads_every_vector_once_whatever_its_slots(kernel_cache):
+    """time_streaming_ring raises as time_streaming_step does; here with and without barriers, with
+    slices of one vector or none (the 16-byte stage) and of many slots, a ring of two 1 KB slots that
+    the loader waits on at almost every chunk, and a full-size ring of many slots."""
+    device = torch.device("cuda")
+    read_bytes = sum(STREAM_STAGES_BYTES)
+    variants = ((_stages(False), 64 * 1024, 4), (_stages(True), 64 * 1024, 4), (_stages(True), 2 * 1024, 2),
+                (_stages(True), 32 * 1024, 2), (_stages(True), MAX_LOOKAHEAD_BYTES, 16))
+    for stages, ring_bytes, ring_slots in variants:
+        seconds = time_streaming_ring(kernel_cache, device, stages, ring_bytes, ring_slots)
+        # 1 KB slots stream slowly (2 KB in flight per SM): only an upper bound of 10 µs a MB
+        assert read_bytes / 6e12 < seconds < read_bytes / 1e8
 
 
 def test_the_data_s_xor_is_that_of_its_words_on_the_gpu():

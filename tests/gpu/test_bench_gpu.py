@@ -11,7 +11,13 @@ import torch
 
 from megaserve.kernels.build import SOURCE_DIR, KernelCache
 from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER
-from megaserve.replicas.bench import MEGAKERNEL, STREAM_BARRIERS_PER_LAYER, bench_context, random_model
+from megaserve.replicas.bench import (
+    MEGAKERNEL,
+    RING_BARRIERS_PER_LAYER,
+    STREAM_BARRIERS_PER_LAYER,
+    bench_context,
+    random_model,
+)
 from megaserve.replicas.models import ModelConfig
 
 TINY_CONFIG = {
@@ -42,6 +48,8 @@ def test_a_variant_is_timed_in_every_round_beside_the_package_s_kernel(tmp_path)
         assert all(ms > 0 for ms in extra["stage_ms"].values())
     stream_ms = measured[MEGAKERNEL][2]["stream_ms"]
     assert list(stream_ms) == list(STREAM_BARRIERS_PER_LAYER) and all(ms > 0 for ms in stream_ms.values())
+    ring_ms = measured[MEGAKERNEL][2]["ring_stream_ms"]
+    assert list(ring_ms) == list(RING_BARRIERS_PER_LAYER) and all(ms > 0 for ms in ring_ms.values())
     assert "stream_ms" not in measured[VARIANT][2]  # the probe streams bytes, whichever the sources
-    # each build with and without timing, and the streaming probe
-    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 5
+    # each build with and without timing, and the two streaming probes
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 6

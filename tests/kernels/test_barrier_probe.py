@@ -9,7 +9,7 @@ import operator
 import pytest
 import torch
 
-from megaserve.kernels.barrier_probe import StreamStage, time_streaming_step, xor_of_words
+from megaserve.kernels.barrier_probe import StreamStage, time_streaming_ring, time_streaming_step, xor_of_words
 
 WORD_MASK = 0xFFFFFFFF
 
@@ -37,3 +37,16 @@ ONE_STAGE = [StreamStage("qkv", 16, True)]
 def test_bad_stages_are_refused_before_any_launch(stages, ahead_warps, lookahead_bytes, message):
     with pytest.raises(ValueError, match=message):
         time_streaming_step(None, torch.device("cpu"), stages, ahead_warps, lookahead_bytes)
+
+
+@pytest.mark.parametrize(("stages", "ring_bytes", "ring_slots", "message"), [
+    ([], 1024, 4, "at least one stage"),
+    (ONE_STAGE, 1024, 1, "ring_slots must be at least 2"),
+    (ONE_STAGE, 1000, 3, "ring_bytes must be at most 231424 and 3 slots of a multiple of 16 bytes"),  # not equal slots
+    (ONE_STAGE, 16, 2, "ring_bytes must be"),  # slots of 8 bytes
+    (ONE_STAGE, 1040, 4, "ring_bytes must be"),  # 4 equal slots of 260 bytes: not whole vectors
+    (ONE_STAGE, 232 * 1024, 8, "ring_bytes must be at most 231424"),
+])
+def test_bad_rings_are_refused_before_any_launch(stages, ring_bytes, ring_slots, message):
+    with pytest.raises(ValueError, match=message):
+        time_streaming_ring(None, torch.device("cpu"), stages, ring_bytes, ring_slots)

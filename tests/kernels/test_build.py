@@ -80,6 +80,18 @@ def test_the_streaming_probe_compiles_for_each_target(shared_cache, arch):
     assert "stream_stages" in compiled.symbol and compiled.code_bytes > 0
 
 
+@pytest.mark.parametrize("arch", [HOPPER, *BLACKWELL])
+def test_the_ring_probe_compiles_for_each_target(shared_cache, arch):
+    compiled = shared_cache.stream_ring_probe(arch, 8)
+    assert compiled.cubin.startswith(CUBIN_MAGIC) and compiled.arch == arch
+    assert "stream_stages_ring" in compiled.symbol and compiled.name_expression.endswith("<8>")
+
+
+def test_a_ring_of_one_slot_is_refused(shared_cache):
+    with pytest.raises(ValueError, match="at least 2 slots"):
+        shared_cache.stream_ring_probe(HOPPER, 1)
+
+
 def test_the_code_probe_is_straight_line_code_of_its_size(shared_cache):
     """barrier_after_code<steps>: 8 instructions (128 bytes) a step, nothing folded or looped."""
     small, large = shared_cache.code_probe(HOPPER, 64), shared_cache.code_probe(HOPPER, 512)

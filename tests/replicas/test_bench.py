@@ -86,10 +86,17 @@ def test_the_streaming_probe_reads_the_step_s_bytes_in_its_order_with_its_barrie
 
 def test_the_stage_table_gives_the_streaming_probe_s_share_of_the_roofline():
     result = Result("Llama-3.2-1B", 1024, "megakernel", 2.0, 500.0, 1, 0.75, stage_ms={"qkv": 2.0},
-                    stage_bytes={"qkv": 4_000_000_000}, timing_cost_ms=0.0, stream_ms={0: 1.0, 3: 1.25})
+                    stage_bytes={"qkv": 4_000_000_000}, timing_cost_ms=0.0, stream_ms={0: 1.0, 3: 1.25},
+                    ring_stream_ms={0: 1.0, 3: 2.0})
     table = format_table([result], 4e12, barrier_seconds=1e-6)
     assert ("streaming probe, the same bytes with nothing between the loads but grid barriers: "
             "0 per layer 1.000 ms (100.0%), 3 per layer 1.250 ms (80.0%)") in table
+    assert ("the same loaded by a loader warp per SM into a 64 KB ring of 4 slots, past the barriers: "
+            "0 per layer 1.000 ms (100.0%), 3 per layer 2.000 ms (50.0%)") in table
+    without_probes = format_table([Result("Llama-3.2-1B", 1024, "megakernel", 2.0, 500.0, 1, 0.75,
+                                          stage_ms={"qkv": 2.0}, stage_bytes={"qkv": 4_000_000_000},
+                                          timing_cost_ms=0.0)], 4e12, None)
+    assert "streaming probe" not in without_probes and "loader warp" not in without_probes
 
 
 def test_contexts_must_be_positive(capsys):
@@ -220,11 +227,15 @@ def _stand_in_for_the_gpu(monkeypatch, tmp_path, failing=frozenset()):
     def time_streaming_step(kernel_cache, device, stages):  # 1 ms per GB and 1 µs per barrier
         return sum(stage.read_bytes for stage in stages) * 1e-12 + sum(stage.barrier_after for stage in stages) * 1e-6
 
+    def time_streaming_ring(kernel_cache, device, stages):  # the loader ring: 2 µs per barrier
+        return sum(stage.read_bytes for stage in stages) * 1e-12 + sum(stage.barrier_after for stage in stages) * 2e-6
+
     monkeypatch.setattr(bench, "DecodeStep", Step)
     monkeypatch.setattr(bench, "capture", Graph)
     monkeypatch.setattr(bench, "time_steps", time_steps)
     monkeypatch.setattr(bench, "count_kernel_launches", count_kernel_launches)
     monkeypatch.setattr(bench, "time_streaming_step", time_streaming_step)
+    monkeypatch.setattr(bench, "time_streaming_ring", time_streaming_ring)
     shutil.copytree(SOURCE_DIR, tmp_path / "copy", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     caches = {MEGAKERNEL: KernelCache(tmp_path / "cache"), "megakernel:copy": KernelCache(tmp_path, tmp_path / "copy")}
     return timings, caches, steps
@@ -250,7 +261,8 @@ def test_the_builds_are_timed_in_turn_every_round(tmp_path, monkeypatch):
     # The streaming probe over the step's bytes, for the package's build only: 2 layers' barriers
     step_ms = sum(bench.stage_read_bytes(model.config, 101).values()) * 1e-9
     assert extra["stream_ms"] == pytest.approx({0: step_ms, 3: step_ms + 2 * 3e-3, 4: step_ms + 2 * 4e-3})
-    assert "stream_ms" not in measured["megakernel:copy"][2]
+    assert extra["ring_stream_ms"] == pytest.approx({0: step_ms, 3: step_ms + 2 * 3 * 2e-3})
+    assert "stream_ms" not in measured["megakernel:copy"][2] and "ring_stream_ms" not in measured["megakernel:copy"][2]
 
 
 @pytest.mark.parametrize("failing", ["copy", "copy+timing"])
