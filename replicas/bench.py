@@ -17,7 +17,7 @@ reached and its time over the floor (bytes / measured bandwidth), and its closin
 into the tail of the CTAs' arrivals (median to last) and the release after the last one; the cost
 of one grid barrier alone (kernels/barrier_probe.py) is measured in the same run. Under each stage
 table, the streaming probe (kernels/barrier_probe.py, `streaming_ceiling`): the same bytes streamed
-with 0, 3 (the megakernel's) or 4 grid barriers per layer and nothing else between the loads, the
+with 0, 2 (the fewest a dense layer allows), 3 (the megakernel's) or 4 grid barriers per layer and nothing else between the loads, the
 fastest that a kernel with those edges could be; and the same bytes loaded by a loader warp per SM
 into a ring of shared memory that never waits at the barriers (`ring_streaming`), what a kernel
 whose loads run past its edges could be.
@@ -147,11 +147,13 @@ def stage_read_bytes(config: ModelConfig, context_len: int) -> dict[str, int]:
     return stages | {FINAL_STAGE: config.vocab_size * hidden * BF16_BYTES}
 
 
-# Grid barriers per layer that the streaming probe crosses: none (the loads' own rate), the
-# megakernel's three, and four (its wait for a KV head's QKV rows timed as a fourth barrier).
-STREAM_BARRIERS_PER_LAYER = (0, 3, 4)
+# Grid barriers per layer that the streaming probe crosses: none (the loads' own rate), two (the
+# fewest any dense layer can have: each RMSNorm needs the whole residual stream, so the stages
+# before the MLP's and the next layer's norms end at all-to-all edges), the megakernel's three,
+# and four (its wait for a KV head's QKV rows timed as a fourth barrier).
+STREAM_BARRIERS_PER_LAYER = (0, 2, 3, 4)
 # Of each layer's stages, those followed by a barrier, for each count above.
-_STREAM_BARRIER_STAGES = {0: (), 3: ("attention", "o_proj", "mlp"), 4: STAGES_PER_LAYER}
+_STREAM_BARRIER_STAGES = {0: (), 2: ("o_proj", "mlp"), 3: ("attention", "o_proj", "mlp"), 4: STAGES_PER_LAYER}
 
 
 def streaming_stages(config: ModelConfig, context_len: int, barriers_per_layer: int) -> list[StreamStage]:
