@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // stage's bytes keep HBM busy until the ring is full.
 constexpr int kLoaderWarp = kWarps - 1;
 constexpr int kRingConsumers = kLoaderWarp * kWarpSize;  // the threads that fold and cross the barriers
-using RingConsumers = FirstThreads<1, kRingConsumers>;
+constexpr unsigned kRingConsumersBarrier = 1;  // a named hardware barrier of theirs (0 is __syncthreads')
+using RingConsumers = FirstThreads<kRingConsumersBarrier, kRingConsumers>;
 
 // The CTA's slices of all stages, cut into chunks of at most slot_vecs vectors: chunk k fills slot
 // k % kRingSlots for the (k / kRingSlots)-th time. The loader and the consumers walk it alike.
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ unsigned long long slot_full[kRingSlots], slot_free[kRingSlots];
   if (threadIdx.x == 0) {
     for (int i = 0; i < kRingSlots; ++i) {
-      mbarrier_init(&slot_full[i], 1);                      // the loader's expect_tx arrival
+      mbarrier_init(&slot_full[i], 1);                           // the loader's expect_tx arrival
       mbarrier_init(&slot_free[i], kRingConsumers / kWarpSize);  // one arrival per consumer warp
     }
   }
