@@ -303,7 +303,8 @@ class Metrics(_Strict):
         "writes its metrics (PROMETHEUS_MULTIPROC_DIR).",
     )
     bind_host: str = Field(
-        "127.0.0.1", description="Address the metrics endpoint binds; 0.0.0.0 in a cluster.",
+        "127.0.0.1", description="Address the metrics endpoint binds; 0.0.0.0 in a cluster (:: for IPv6, the "
+        "family of the address it resolves to first).",
     )
 
 

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,7 @@ def refuse_metrics_in_use(app_configs: list[AppConfig]) -> None:
     """Refuse a metrics port or folder that a running megaserve on this node already uses (two runs
     on the defaults): this run would wipe the other's metrics files, and its own exporter would wait
     behind the other's port, so neither would be served right."""
-    from megaserve.monitoring.exporter import recording_processes
+    from megaserve.monitoring.exporter import listening_family, recording_processes
 
     for app in app_configs:
         folder = app.metrics.multiproc_dir
@@ -171,7 +172,8 @@ def refuse_metrics_in_use(app_configs: list[AppConfig]) -> None:
             raise ValueError(f"metrics.multiproc_dir {folder} holds the metrics of running processes (pids "
                              f"{', '.join(map(str, running))}): another megaserve on this node? Stop it, or give "
                              "this one a metrics.multiproc_dir and metrics.port of its own")
-        error = _bind_error(app.metrics.bind_host, app.metrics.port)  # the exporter sets SO_REUSEADDR too
+        # the exporter sets SO_REUSEADDR too, and binds with the host's own address family
+        error = _bind_error(app.metrics.bind_host, app.metrics.port, listening_family)
         if error is not None and error.errno == errno.EADDRINUSE:
             raise ValueError(f"metrics.port {app.metrics.port} on {app.metrics.bind_host} is in use: another "
                              "megaserve on this node? Stop it, or give this one a metrics.port of its own")
@@ -180,15 +182,22 @@ def refuse_metrics_in_use(app_configs: list[AppConfig]) -> None:
                              f"(metrics.bind_host, metrics.port): {error.strerror or error}")
 
 
-def _bind_error(host: str, port: int) -> OSError | None:
-    """Why a listening socket with SO_REUSEADDR could not be bound at host:port now, or None if it
-    could: a port whose last connections linger (TIME_WAIT) is not taken."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+def _uvicorn_family(host: str, port: int) -> socket.AddressFamily:
+    """The address family Serve's proxy (uvicorn) listens with: IPv6 for a host with a colon."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _bind_error(host: str, port: int,
+                family: Callable[[str, int], socket.AddressFamily] = _uvicorn_family) -> OSError | None:
+    """Why a listening socket with SO_REUSEADDR, of the address family that the server at host:port
+    would use (`family`), could not be bound there now, or None if it could: a port whose last
+    connections linger (TIME_WAIT) is not taken."""
+    try:
+        with socket.socket(family(host, port), socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
-        except OSError as error:
-            return error
+    except OSError as error:  # socket.gaierror too: a host that does not resolve
+        return error
     return None
 
 

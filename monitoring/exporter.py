@@ -30,6 +30,7 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -114,13 +115,29 @@ def _registry() -> CollectorRegistry:
     return registry
 
 
+def listening_family(host: str, port: int) -> socket.AddressFamily:
+    """The address family of a server listening at host:port: that of host's first passive address
+    (IPv6 for "::" or "::1", IPv4 for "0.0.0.0"), as prometheus_client's own server picks it.
+    Raises socket.gaierror (an OSError) for a host that does not resolve."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer on host's own address family: http.server's own is IPv4 only, so an IPv6
+    bind_host would fail to bind."""
+
+    def __init__(self, host: str, port: int, handler) -> None:
+        self.address_family = listening_family(host, port)
+        super().__init__((host, port), handler)
+
+
 def _serve_forever(host: str, port: int, retry_seconds: float) -> None:
     registry = _registry()
     handler = MetricsHandler.factory(registry)
     waiting = False
     while True:
         try:
-            server = ThreadingHTTPServer((host, port), handler)
+            server = _MetricsServer(host, port, handler)
         except OSError as error:
             if error.errno != errno.EADDRINUSE:  # a wrong host or a privileged port: no retry helps
                 log.error("cannot serve node metrics on %s:%d: %s", host, port, error)

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -18,6 +19,16 @@ from tests.prometheus_server import Prometheus, free_port, running
 
 STARTUP_TIMEOUT_SECONDS = 240
 UNASSIGNED_ADDRESS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no interface of this machine has it
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether a socket can listen on ::1 here (a container may have IPv6 switched off)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
 
 
 def tiers_are_healthy(base_url: str, tiers: list[str]) -> bool:

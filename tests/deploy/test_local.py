@@ -21,7 +21,7 @@ from megaserve.deploy.local import (
     refuse_unservable_model_dirs,
     refuse_what_this_machine_cannot_run,
 )
-from tests.live import UNASSIGNED_ADDRESS, free_port
+from tests.live import UNASSIGNED_ADDRESS, free_port, has_ipv6_loopback
 from tests.model_factory import make_tiny_model
 
 BUILDER = "megaserve.deploy.builder:build_app"
@@ -145,15 +145,18 @@ def _config_with_metrics(tmp_path, metrics: dict):
     return path
 
 
-def test_a_metrics_port_in_use_is_one_message(tmp_path):
-    with socket.socket() as holder:  # another megaserve's exporter, say
-        holder.bind(("127.0.0.1", 0))
+@pytest.mark.parametrize("host", ["127.0.0.1", pytest.param("::1", marks=pytest.mark.skipif(
+    not has_ipv6_loopback(), reason="this machine has no IPv6 loopback"))])
+def test_a_metrics_port_in_use_is_one_message(tmp_path, host):
+    # the exporter binds with the host's own address family, and so does the check
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as holder:  # another megaserve's exporter
+        holder.bind((host, 0))
         holder.listen()
         port = holder.getsockname()[1]
-        done = _up(_config_with_metrics(tmp_path, {"port": port, "bind_host": "127.0.0.1",
+        done = _up(_config_with_metrics(tmp_path, {"port": port, "bind_host": host,
                                                    "multiproc_dir": str(tmp_path / "metrics")}))
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert f"megaserve up: metrics.port {port} on 127.0.0.1 is in use" in done.stderr
+    assert f"megaserve up: metrics.port {port} on {host} is in use" in done.stderr
     assert "starting Ray" not in done.stdout
 
 

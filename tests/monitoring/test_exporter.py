@@ -21,9 +21,15 @@ from prometheus_client import multiprocess
 from prometheus_client.mmap_dict import MmapedDict
 
 from megaserve.monitoring.exporter import (
-    OUTLIVE_CHECK_SECONDS, RECORDER_FILE, raylets, recording_processes, retire_dead_processes, start_node_exporter,
+    OUTLIVE_CHECK_SECONDS,
+    RECORDER_FILE,
+    listening_family,
+    raylets,
+    recording_processes,
+    retire_dead_processes,
+    start_node_exporter,
 )
-from tests.live import UNASSIGNED_ADDRESS, free_port, wait_until
+from tests.live import UNASSIGNED_ADDRESS, free_port, has_ipv6_loopback, wait_until
 
 
 RECORDER = textwrap.dedent("""
@@ -69,8 +75,8 @@ def test_every_file_prometheus_client_writes_is_a_recorder_s_and_names_its_pid(t
         assert not RECORDER_FILE.match(name), name
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+def _scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     samples = {}
     for line in text.splitlines():
@@ -209,6 +215,24 @@ def test_starting_the_exporter_twice_on_one_port_starts_one_thread(caplog, monke
     assert len([t for t in threading.enumerate() if t.name == f"megaserve-metrics-{port}"]) == 1
     assert not [r for r in caplog.records if "is taken" in r.getMessage()]
     assert _scrape(port)  # and the one thread serves
+
+
+@pytest.mark.parametrize(("host", "family"), [("::", socket.AF_INET6), ("::1", socket.AF_INET6),
+                                              ("0.0.0.0", socket.AF_INET), ("127.0.0.1", socket.AF_INET)])
+def test_the_listening_family_is_the_host_s_own(host, family):
+    assert listening_family(host, 9400) == family
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_an_ipv6_host_is_served(caplog, monkeypatch):
+    # http.server's own server is IPv4 only: "::1" failed to bind, and nothing served the metrics.
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    port = free_port()
+    with caplog.at_level(logging.INFO, logger="megaserve.monitoring.exporter"):
+        start_node_exporter("::1", port, retry_seconds=0.05)
+        wait_until(lambda: any("serving node metrics" in r.getMessage() for r in caplog.records), 10, "the serving")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(name.startswith("python_info") for name in _scrape(port, "[::1]"))
 
 
 def _exporter(port: int, env: dict[str, str], *args: str, host: str = "127.0.0.1") -> subprocess.Popen:
