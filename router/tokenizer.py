@@ -33,6 +33,13 @@ DEFAULT_TEMPLATE_NAME = "default"
 REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
 # The prompt's ids that the detokenizer decodes before the first generated one (vLLM's offset: 5).
 PROMPT_CONTEXT_TOKENS = 5
+# A UTF-8 character is at most 4 bytes and every token carries at least one, so a character that is
+# still incomplete began in the last 3 ids: text before them is final, U+FFFD or not.
+INCOMPLETE_CHARACTER_TOKENS = 3
+# How many split points of the held ids push tries when the text ends in U+FFFD: enough to find a
+# character boundary among tokens of several bytes (4-byte characters in 3-byte tokens share one
+# every 4 tokens), few enough that a push costs a handful of decodes.
+RELEASE_CANDIDATES = 8
 
 
 class ChatTemplateError(ValueError):
@@ -154,11 +161,34 @@ class IncrementalDetokenizer:
         self._window.append(token_id)
         context_text = self._decode(self._window[: self._context_length])
         text = self._decode(self._window)
-        if len(text) <= len(context_text) or text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing visible yet, or a multi-byte character still incomplete
+        if text.endswith(REPLACEMENT_CHAR):  # maybe a multi-byte character still incomplete
+            return self._release_final_part(text, context_text)
+        if len(text) <= len(context_text):
+            return ""  # nothing visible yet
+        return self._emit(len(self._window), text, context_text)
+
+    def _emit(self, end: int, text: str, context_text: str) -> str:
+        """Returns `text` (the decoding of the window's first `end` ids) past the context's, and makes
+        the ids that produced it the next context."""
         self._window = self._window[self._context_length :]
-        self._context_length = len(self._window)
+        self._context_length = end - self._context_length
         return text[len(context_text) :]
+
+    def _release_final_part(self, text: str, context_text: str) -> str:
+        """`text` ends in U+FFFD: holds back the ids that may still complete a character, and emits the
+        longest part before them that can no longer change, if any. Without this, a run of bytes that
+        never form a character (a lone continuation byte, say, as random or broken weights sample)
+        would be held to the end of the stream, every push decoding the whole run again."""
+        last = max(self._context_length, len(self._window) - RELEASE_CANDIDATES)
+        for end in range(len(self._window) - 1, last, -1):
+            prefix = self._decode(self._window[:end])
+            # final: a prefix of the text that either ends on a whole character or lies before the
+            # ids an incomplete character can span
+            final = text.startswith(prefix) and (
+                not prefix.endswith(REPLACEMENT_CHAR) or end <= len(self._window) - INCOMPLETE_CHARACTER_TOKENS)
+            if final:
+                return self._emit(end, prefix, context_text) if len(prefix) > len(context_text) else ""
+        return ""
 
     def finish(self) -> str:
         """Whatever is still held back at the end of the stream (an incomplete UTF-8 sequence

@@ -174,6 +174,22 @@ def test_skipped_special_tokens_cost_the_detokenizer_nothing(ours):
     assert max(counter.lengths) <= len(emoji) + 1  # the window never holds the special tokens
 
 
+def test_bytes_that_never_form_a_character_are_streamed_not_held_to_the_end(ours):
+    # A model with random or broken weights can sample a long run of byte tokens that no character
+    # completes: each push used to decode the whole held run again, and nothing streamed until finish.
+    vocab = ours._backend.get_vocab()
+    broken_byte = next(i for i in sorted(vocab.values()) if ours.decode([i]) == "\ufffd")
+    ids = ours.encode("ok", add_special_tokens=False) + [broken_byte] * 1000 + ours.encode(" 😀 fine",
+                                                                                           add_special_tokens=False)
+    counter = DecodeCounter(ours)
+    detokenizer = IncrementalDetokenizer(counter)
+    deltas = [detokenizer.push(token) for token in ids]
+    assert "".join(deltas) + detokenizer.finish() == ours.decode(ids)
+    assert "".join(deltas[:20]).startswith("ok\ufffd")  # streamed as it comes
+    assert max(counter.lengths) <= 20  # the window stays a few ids long
+    assert "".join(deltas).endswith(" 😀 fine")  # nothing held once whole characters follow
+
+
 def test_the_first_generated_word_keeps_its_space_where_the_decoder_strips_a_string_s_first(
         sentencepiece_tokenizer):
     prompt = sentencepiece_tokenizer.encode("The capital of France is", add_special_tokens=False)
