@@ -117,25 +117,35 @@ def refuse_unservable_model_dirs(app_configs: list[AppConfig]) -> None:
                                  ) from None
 
 
-def refuse_what_this_machine_cannot_run(app_configs: list[AppConfig], gpus_here: int) -> None:
-    """Refuse tiers that `megaserve up`'s one node cannot place: more GPUs than it has, a replica
-    spread over several nodes, SGLang where it is not installed. Serve would wait for them for
-    `--timeout` seconds, and then say only that the app did not start."""
+def refuse_what_this_machine_cannot_run(app_configs: list[AppConfig], gpus_here: int, cpus_here: int) -> None:
+    """Refuse tiers that `megaserve up`'s one node cannot place: more GPUs or CPUs than it has (every
+    app's together), a replica spread over several nodes, SGLang where it is not installed. Serve
+    would wait for them for `--timeout` seconds, and then say only that the app did not start."""
     from megaserve.replicas.engines.sglang_engine import INSTALL_HINT
 
-    for app in app_configs:
+    gpus: dict[str, int] = {}  # what each tier reserves, by its name in the messages
+    cpus: dict[str, float] = {}
+    for index, app in enumerate(app_configs):
+        prefix = f"applications[{index}]." if len(app_configs) > 1 else ""
         tiers = {name: tier for name, tier in (("latency", app.latency), ("throughput", app.throughput))
                  if tier.enabled}
         for name, tier in tiers.items():
             if tier.nodes_per_replica > 1:
-                raise ValueError(f"{name}.nodes_per_replica is {tier.nodes_per_replica}, but megaserve up runs "
-                                 "one node; deploy multi-node replicas on a Ray cluster")
-        wanted = {name: tier.num_replicas * tier.gpus_per_node for name, tier in tiers.items() if tier.gpus_per_node}
-        if sum(wanted.values()) > gpus_here:
-            asked = " + ".join(f"{gpus} for {name} (num_replicas x tp_size)" for name, gpus in wanted.items())
-            raise ValueError(f"the tiers need {asked} GPUs, and this machine has {gpus_here}")
+                raise ValueError(f"{prefix}{name}.nodes_per_replica is {tier.nodes_per_replica}, but megaserve up "
+                                 "runs one node; deploy multi-node replicas on a Ray cluster")
+            if tier.gpus_per_node:
+                gpus[f"{prefix}{name} (num_replicas x tp_size)"] = tier.num_replicas * tier.gpus_per_node
+            cpus[f"{prefix}{name} (num_replicas x cpus_per_replica)"] = tier.num_replicas * tier.cpus_per_replica
+        cpus[f"{prefix}routing (router_replicas x router_cpus)"] = (app.routing.router_replicas
+                                                                   * app.routing.router_cpus)
         if "throughput" in tiers and app.throughput.engine == "sglang" and not importlib.util.find_spec("sglang"):
-            raise ValueError(f"throughput.engine is sglang, and SGLang is not installed here: {INSTALL_HINT}")
+            raise ValueError(f"{prefix}throughput.engine is sglang, and SGLang is not installed here: {INSTALL_HINT}")
+    if sum(gpus.values()) > gpus_here:
+        asked = " + ".join(f"{count} for {name}" for name, count in gpus.items())
+        raise ValueError(f"the tiers need {asked} GPUs, and this machine has {gpus_here}")
+    if sum(cpus.values()) > cpus_here:
+        asked = " + ".join(f"{count:g} for {name}" for name, count in cpus.items() if count)
+        raise ValueError(f"the tiers reserve {asked} CPUs, and this machine has {cpus_here}")
 
 
 def gpus_on_this_machine() -> int:
@@ -264,7 +274,8 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
             if app_config.metrics.port == http["port"]:
                 raise ValueError(f"metrics.port {app_config.metrics.port} is the HTTP port too; give it another")
         refuse_unservable_model_dirs(app_configs)
-        refuse_what_this_machine_cannot_run(app_configs, gpus_on_this_machine())
+        # os.cpu_count: the most CPUs Ray's local node can have (a cgroup quota may give it fewer)
+        refuse_what_this_machine_cannot_run(app_configs, gpus_on_this_machine(), os.cpu_count() or 1)
         if config.get("proxy_location") != "Disabled":  # no proxy, nothing listens on the port
             refuse_a_taken_http_port(http["host"], http["port"])
         refuse_metrics_in_use(app_configs)
@@ -284,7 +295,8 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _say("starting Serve")
-    names: list[str] = []  # the apps submitted, to drain on the way out
+    names: list[str] = []  # the apps submitted
+    ready = False  # every app ran and its URL was printed: only then can requests be running to drain
     try:
         try:
             serve.start(http_options=http, proxy_location=config.get("proxy_location"))
@@ -321,13 +333,16 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
         urls = ", ".join(app_urls(http, applications)) or "no HTTP routes"
         metrics = ", ".join(f"{c.metrics.bind_host}:{c.metrics.port}" for c in app_configs)
         _say(f"ready in {time.monotonic() - started:.1f} s: {urls} (metrics on {metrics}); Ctrl-C stops")
+        ready = True
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
         pass
     finally:
         _say("stopping")
-        _drain(names, max(c.router_graceful_shutdown_seconds for c in app_configs))
+        if ready:  # a start that failed or was stopped drains nothing: a replica never placed would
+            # hold the apps' deletion for its whole graceful_shutdown_seconds
+            _drain(names, max(c.router_graceful_shutdown_seconds for c in app_configs))
         serve.shutdown()
         ray.shutdown()
     return 0

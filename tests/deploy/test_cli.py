@@ -23,7 +23,7 @@ STREAM_TOKENS = 1000  # the demo model on 2 CPU cores: a few seconds of decoding
 ROUTE_PREFIX = "/mega"  # not Serve's default "/": the URL that `up` prints must carry it
 
 
-def _start_up(tmp_path) -> tuple[subprocess.Popen, int]:
+def _start_up(tmp_path, *args: str) -> tuple[subprocess.Popen, int]:
     """`megaserve up` on the default config with the app at ROUTE_PREFIX, in a session of its own;
     returns it and its port."""
     config = load_serve_config(None)
@@ -38,7 +38,7 @@ def _start_up(tmp_path) -> tuple[subprocess.Popen, int]:
                RAY_AUTH_TOKEN=secrets.token_hex(16))
     env.pop("RAY_AUTH_MODE")  # as in a fresh shell: `megaserve up` turns token auth on itself
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megaserve.deploy.cli", "up", str(path), "--port", str(port)],
+        [sys.executable, "-m", "megaserve.deploy.cli", "up", str(path), "--port", str(port), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
@@ -127,6 +127,23 @@ def test_up_stops_on_sigterm_while_it_is_still_deploying(tmp_path):
     assert proc.returncode == 0, output
     assert "asked to stop before the app was ready" in rest and "ready in" not in output
     assert "megaserve: stopping" in rest
+
+
+@pytest.mark.integration
+def test_a_start_that_runs_out_of_time_exits_1_without_draining(tmp_path):
+    # Nothing was served, so nothing is left to finish: a replica that was never placed used to hold
+    # the exit for its whole graceful_shutdown_seconds (300 s by default).
+    proc, _ = _start_up(tmp_path, "--timeout", "0.1")
+    try:
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 1, rest
+    assert "the app did not start" in rest and "megaserve: stopping" in rest
+    assert "letting running requests finish" not in rest
 
 
 def _help(capsys, command: str) -> str:

@@ -64,10 +64,12 @@ def _up(config_path) -> subprocess.CompletedProcess:
     (yaml.safe_dump({"applications": [{"import_path": BUILDER, "args": {"latency": {
         "device": "cuda", "tp_size": 8, "num_replicas": 64}}}]}),
      "the tiers need 512 for latency (num_replicas x tp_size) GPUs, and this machine has"),
+    (yaml.safe_dump({"applications": [{"import_path": BUILDER, "args": {"latency": {"cpus_per_replica": 100000}}}]}),
+     "the tiers reserve 100000 for latency (num_replicas x cpus_per_replica)"),
 ], ids=["missing-file", "bad-yaml", "no-applications", "no-import-path", "invalid-app-config", "serve-schema",
         "http-options-not-a-mapping", "two-default-apps", "metrics-port-is-http-port",
         "metrics-port-is-http-port-as-text", "not-applied", "http-port-past-tcp", "http-port-0", "no-such-builder",
-        "more-gpus-than-here"])
+        "more-gpus-than-here", "more-cpus-than-here"])
 def test_a_bad_config_is_one_message_and_exit_code_2(tmp_path, config, message):
     path = tmp_path / "serve.yaml"
     if config is not None:
@@ -271,10 +273,31 @@ def _cuda_app(**tiers) -> AppConfig:
 
 def test_tiers_that_fit_this_machine_s_gpus_are_let_through_and_one_gpu_more_is_refused():
     app = _cuda_app(latency={"num_replicas": 2, "tp_size": 2}, throughput={"engine": "torch"})
-    refuse_what_this_machine_cannot_run([app], gpus_here=5)
+    refuse_what_this_machine_cannot_run([app], gpus_here=5, cpus_here=64)
     with pytest.raises(ValueError, match=r"need 4 for latency \(num_replicas x tp_size\) \+ 1 for throughput "
                                          r"\(num_replicas x tp_size\) GPUs, and this machine has 4"):
-        refuse_what_this_machine_cannot_run([app], gpus_here=4)
+        refuse_what_this_machine_cannot_run([app], gpus_here=4, cpus_here=64)
+
+
+def test_every_app_s_gpus_count_together():
+    # Two apps of one GPU each on a one-GPU machine: the second would wait for a GPU until the timeout.
+    apps = [_cuda_app(latency={}, throughput={"enabled": False})] * 2
+    refuse_what_this_machine_cannot_run(apps, gpus_here=2, cpus_here=64)
+    with pytest.raises(ValueError, match=r"need 1 for applications\[0\]\.latency \(num_replicas x tp_size\) \+ "
+                                         r"1 for applications\[1\]\.latency \(num_replicas x tp_size\) GPUs, and "
+                                         r"this machine has 1"):
+        refuse_what_this_machine_cannot_run(apps, gpus_here=1, cpus_here=64)
+
+
+def test_tiers_that_reserve_more_cpus_than_this_machine_has_are_refused():
+    app = AppConfig.model_validate({"latency": {"num_replicas": 2, "cpus_per_replica": 1.5},
+                                    "throughput": {"cpus_per_replica": 0.5},
+                                    "routing": {"router_replicas": 2, "router_cpus": 0.25}})
+    refuse_what_this_machine_cannot_run([app], gpus_here=0, cpus_here=4)  # 3 + 0.5 + 0.5
+    with pytest.raises(ValueError, match=r"reserve 3 for latency \(num_replicas x cpus_per_replica\) \+ 0\.5 for "
+                                         r"throughput \(num_replicas x cpus_per_replica\) \+ 0\.5 for routing "
+                                         r"\(router_replicas x router_cpus\) CPUs, and this machine has 3"):
+        refuse_what_this_machine_cannot_run([app], gpus_here=0, cpus_here=3)
 
 
 @pytest.mark.parametrize("tiers, message", [
@@ -287,4 +310,4 @@ def test_what_one_node_cannot_place_is_refused_before_ray_starts(tiers, message,
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else find_spec(name, *a))
     with pytest.raises(ValueError, match=message):
-        refuse_what_this_machine_cannot_run([_cuda_app(**tiers)], gpus_here=8)
+        refuse_what_this_machine_cannot_run([_cuda_app(**tiers)], gpus_here=8, cpus_here=64)
