@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = None if argv[:1] == ["bench"] else _parser().parse_args(argv)  # the benchmark owns its flags
     try:
-        env = Environment.read()
+        env = Environment.read(serving=args is not None and args.command == "up")
     except ValueError as error:
         print(f"megaserve: {error}", file=sys.stderr)
         return 2

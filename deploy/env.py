@@ -55,11 +55,14 @@ class Environment:
     api_key: str | None = None
 
     @classmethod
-    def read(cls) -> "Environment":
+    def read(cls, serving: bool = True) -> "Environment":
+        """The environment's settings. A process that builds no server (`megaserve generate`, `bench`)
+        reads with serving=False: it leaves MEGASERVE_API_KEYS unread, so that a server's setting in
+        the same shell, empty or not, does not stop a client."""
         home = _path("HOME", Path.home() / ".cache" / "megaserve")
         return cls(
             home=home,
             kernel_cache=_path("KERNEL_CACHE", home / "kernels"),
-            api_keys=_api_keys(),
+            api_keys=_api_keys() if serving else (),
             api_key=os.environ.get(PREFIX + "API_KEY", "").strip() or None,
         )

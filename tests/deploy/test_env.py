@@ -57,5 +57,13 @@ def test_keys_set_to_no_key_are_refused_by_name_not_taken_as_auth_off(monkeypatc
     monkeypatch.setenv("MEGASERVE_API_KEYS", value)
     with pytest.raises(ValueError, match="MEGASERVE_API_KEYS is set but holds no key"):
         Environment.read()
-    assert main(["generate", "hi", "--url", "http://127.0.0.1:1"]) == 2
+    assert main(["up", "no-such-config.yaml"]) == 2
     assert capsys.readouterr().err.startswith("megaserve: MEGASERVE_API_KEYS is set but holds no key")
+
+
+def test_a_client_command_leaves_the_server_s_keys_unread(monkeypatch, capsys):
+    # The server's setting in the same shell, empty or not, is no business of a client's.
+    monkeypatch.setenv("MEGASERVE_API_KEYS", "")
+    assert Environment.read(serving=False).api_keys == ()
+    assert main(["generate", "hi", "--url", "http://127.0.0.1:1"]) != 0  # nothing listens there
+    assert "MEGASERVE_API_KEYS" not in capsys.readouterr().err
