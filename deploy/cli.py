@@ -44,6 +44,25 @@ def _host(text: str) -> str:
     return text
 
 
+class _ModeFlag(argparse.Action):
+    """Stores the value as usual and notes the flag as given (in `given_flags`): each of these
+    flags serves one mode of `generate`, and is refused with the other rather than ignored."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given_flags = {*getattr(namespace, "given_flags", ()), option_string}
+
+
+def _flags_of_the_other_mode(args: argparse.Namespace) -> str | None:
+    """Why `generate`'s flags do not go together, or None."""
+    given = getattr(args, "given_flags", set())
+    if args.model is None and given & {"--engine", "--device"}:
+        return "--engine and --device choose the in-process engine: give them with --model, not with a server"
+    if args.model is not None and "--tier" in given:
+        return "--tier asks a server for a tier: give it with --url, not with --model"
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -61,11 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     where = gen.add_mutually_exclusive_group()
     where.add_argument("--url", help=f"a running server (default {DEFAULT_URL} unless --model)")
     where.add_argument("--model", help="a Hugging Face-format model directory to run in-process")
-    gen.add_argument("--engine", choices=("torch", "megakernel"), default="torch",
-                     help="in-process engine (with --model)")
-    gen.add_argument("--device", default=None, help="in-process device (default: cuda if present)")
-    gen.add_argument("--tier", choices=("latency", "throughput", "auto"), default="auto",
-                     help="service tier to ask the server for (with --url)")
+    gen.add_argument("--engine", choices=("torch", "megakernel"), default="torch", action=_ModeFlag,
+                     help="in-process engine (with --model; default: %(default)s)")
+    gen.add_argument("--device", default=None, action=_ModeFlag,
+                     help="in-process device (with --model; default: cuda if present)")
+    gen.add_argument("--tier", choices=("latency", "throughput", "auto"), default="auto", action=_ModeFlag,
+                     help="service tier to ask the server for (with --url; default: %(default)s)")
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)d)")
     gen.add_argument("--temperature", type=float, default=0.0,
@@ -92,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = None if argv[:1] == ["bench"] else _parser().parse_args(argv)  # the benchmark owns its flags
+    if args is not None and args.command == "generate" and (problem := _flags_of_the_other_mode(args)):
+        print(f"megaserve generate: {problem}", file=sys.stderr)
+        return 2
     try:
         env = Environment.read(serving=args is not None and args.command == "up")
     except ValueError as error:

@@ -69,6 +69,15 @@ def _generate_fails(*args: str, printed: str = "") -> str:
     return done.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (("--url", "http://127.0.0.1:1", "--engine", "megakernel"), "--engine and --device choose the in-process engine"),
+    (("--device", "cpu"), "--engine and --device choose the in-process engine"),  # the server by default
+    (("--model", "somewhere", "--tier", "latency"), "--tier asks a server for a tier: give it with --url"),
+])
+def test_a_flag_of_the_other_mode_is_refused_not_ignored(args, message):
+    assert _generate_fails("hi", *args).startswith(f"megaserve generate: {message}")
+
+
 def test_a_model_directory_that_does_not_exist_is_named_as_such(tmp_path):
     error = _generate_fails("hi", "--model", str(tmp_path / "nothing-here"))
     assert f"--model {tmp_path / 'nothing-here'} does not exist" in error
