@@ -218,7 +218,10 @@ def _prepare_node(app_configs: list[AppConfig], env: Environment) -> None:
 
     for app in app_configs:
         folder = Path(app.metrics.multiproc_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"metrics.multiproc_dir {folder} cannot be created: {error.strerror or error}") from None
         for stale in folder.iterdir():  # only prometheus_client's files: the folder is the user's to name
             if RECORDER_FILE.match(stale.name):
                 stale.unlink()

@@ -162,6 +162,16 @@ def test_a_metrics_port_in_use_is_one_message(tmp_path, host):
     assert "starting Ray" not in done.stdout
 
 
+def test_a_metrics_folder_that_cannot_be_created_is_named_by_its_field(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    folder = tmp_path / "a-file" / "metrics"  # under a file: no folder can be made there
+    done = _up(_config_with_metrics(tmp_path, {"port": free_port(), "bind_host": "127.0.0.1",
+                                               "multiproc_dir": str(folder)}))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"megaserve up: metrics.multiproc_dir {folder} cannot be created: Not a directory" in done.stderr
+    assert "starting Ray" not in done.stdout
+
+
 @pytest.mark.parametrize("host", [UNASSIGNED_ADDRESS, "no-such-host.invalid"])
 def test_a_metrics_address_that_cannot_be_served_is_one_message(tmp_path, host):
     port = free_port()
