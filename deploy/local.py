@@ -175,6 +175,14 @@ def refuse_metrics_in_use(app_configs: list[AppConfig]) -> None:
     behind the other's port, so neither would be served right."""
     from megaserve.monitoring.exporter import listening_family, recording_processes
 
+    folder_of_port: dict[int, str] = {}
+    for index, app in enumerate(app_configs):
+        # One exporter serves a port, from one folder: an app of another folder on it goes unserved.
+        other = folder_of_port.setdefault(app.metrics.port, app.metrics.multiproc_dir)
+        if other != app.metrics.multiproc_dir:
+            raise ValueError(f"applications[{index}] serves its metrics on metrics.port {app.metrics.port} from "
+                             f"metrics.multiproc_dir {app.metrics.multiproc_dir}, and an earlier application "
+                             f"from {other}: give them one folder, or each a port of its own")
     for app in app_configs:
         folder = app.metrics.multiproc_dir
         running = recording_processes(folder, PROC_ROOT, os.getpid()) if os.path.isdir(folder) else []

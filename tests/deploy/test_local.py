@@ -18,6 +18,7 @@ from megaserve.deploy.local import (
     _prepare_node,
     app_urls,
     refuse_a_taken_http_port,
+    refuse_metrics_in_use,
     refuse_unservable_model_dirs,
     refuse_what_this_machine_cannot_run,
 )
@@ -160,6 +161,18 @@ def test_a_metrics_port_in_use_is_one_message(tmp_path, host):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"megaserve up: metrics.port {port} on {host} is in use" in done.stderr
     assert "starting Ray" not in done.stdout
+
+
+def test_two_apps_on_one_metrics_port_share_its_folder(tmp_path):
+    # The port's one exporter serves one folder: the second app's metrics would never be scraped.
+    port = free_port()
+    apps = [AppConfig.model_validate({"metrics": {"port": port, "multiproc_dir": str(tmp_path / name)}})
+            for name in ("a", "a", "b")]
+    refuse_metrics_in_use(apps[:2])
+    with pytest.raises(ValueError, match=rf"applications\[2\] serves its metrics on metrics.port {port} from "
+                                         rf"metrics.multiproc_dir {tmp_path / 'b'}, and an earlier application "
+                                         rf"from {tmp_path / 'a'}"):
+        refuse_metrics_in_use(apps)
 
 
 def test_a_metrics_folder_that_cannot_be_created_is_named_by_its_field(tmp_path):
