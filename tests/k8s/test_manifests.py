@@ -232,6 +232,29 @@ def test_every_pod_template_is_a_valid_pod(group):
     kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
 
 
+_BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+
+def _bytes(quantity: str) -> int:
+    for suffix, factor in _BINARY_SUFFIXES.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
+
+
+@pytest.mark.parametrize("group", ["head", "latency", "throughput"])
+def test_every_pod_s_object_store_has_shared_memory_of_its_own(group):
+    # A container's own /dev/shm is 64 MiB: Ray puts a larger object store on disk under /tmp, slowly.
+    spec = _pod_specs()[group]
+    mounts = {m["mountPath"]: m["name"] for m in _ray_container(spec).get("volumeMounts", [])}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    if group == "head":  # Ray's default (30% of 32 GiB) would not fit the head's: it asks for less
+        store = int(_cluster()["headGroupSpec"]["rayStartParams"]["object-store-memory"])
+        assert store <= _bytes(shm["sizeLimit"])
+
+
 def test_every_container_port_name_is_one_kubernetes_accepts():
     ports = [port for container in _containers(_documents()) for port in container.get("ports", [])]
     assert ports
