@@ -25,6 +25,7 @@ STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
 MIN_CTAS = 96  # kMinCtas of decode_step.cu: the MLP slice per CTA in shared memory is sized for it
 MLP_ROWS_ALIGN = 4  # kMlpRowsAlign
 SHARED_RESERVED = WARPS * (4 + 8 + 8) + 16  # the reduce, best and split_sums arrays beside the union, and alignment
+UNION_ALIGN = 16  # SharedStorage's union holds 16-byte vectors (x, AttentionShared's uint4s): its size rounds up to it
 FLOAT_BYTES = 4
 FOLD_CHUNK = 8  # kFoldChunk of attention.cuh
 FOLD_IN_O_MAX_BYTES = 64 * 1024  # kFoldInOMaxBytes
@@ -155,7 +156,8 @@ class KernelShape:
         attention = FLOAT_BYTES * group_elems + max(merge, first_block) + FLOAT_BYTES  # q, union, is_last_split
         rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
         mlp_slice = FLOAT_BYTES * self.max_mlp_rows_per_cta  # the CTA's SiLU(gate) * up values
-        return max(BF16_BYTES * self.max_input, attention) + rope + mlp_slice + SHARED_RESERVED
+        union = -(-max(BF16_BYTES * self.max_input, attention) // UNION_ALIGN) * UNION_ALIGN
+        return union + rope + mlp_slice + SHARED_RESERVED
 
     def check_grid(self, ctas: int) -> None:
         """The kernel gives each KV head's QKV rows and attention to CTAs of their own (one persistent
@@ -168,6 +170,11 @@ class KernelShape:
             raise UnsupportedShapeError(
                 f"the megakernel keeps each CTA's slice of the MLP in shared memory sized for {MIN_CTAS} SMs or "
                 f"more; this GPU has {ctas}"
+            )
+        if self.intermediate < ctas:  # a CTA with no MLP row would prefetch the row before the first
+            raise UnsupportedShapeError(
+                f"the megakernel gives every CTA MLP rows of its own: intermediate_size {self.intermediate} is "
+                f"fewer than this GPU's {ctas} SMs"
             )
 
     @property

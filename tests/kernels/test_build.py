@@ -29,6 +29,10 @@ from megaserve.replicas.models import ModelConfig
 HOPPER = "sm_90a"
 BLACKWELL = ("sm_100a", "sm_103a")
 TINY = KernelShape(hidden=256, heads=8, kv_heads=1, head_dim=128, intermediate=768, vocab=512, layers=2, qk_norm=True)
+# An odd group at head_dim 256: attention's buffers end 4 bytes past a 16-byte multiple, which the
+# union's alignment pads
+ODD_GROUP = KernelShape(hidden=1024, heads=17, kv_heads=1, head_dim=256, intermediate=2816, vocab=512, layers=1,
+                        qk_norm=False)
 CUBIN_MAGIC = b"\x7fELF"
 REGISTERS_PER_SM = 65536  # Hopper and Blackwell
 SHARED_ALIGNMENT_SLACK = 16  # shape.py's SHARED_RESERVED allows for 16 bytes of padding
@@ -59,7 +63,8 @@ def test_bench_shapes_do_not_spill(name):
     assert 0 < usage.registers <= REGISTERS_PER_SM // THREADS
 
 
-@pytest.mark.parametrize("shape", [*bench_shapes().values(), TINY], ids=[*bench_shapes(), "tiny-group-8"])
+@pytest.mark.parametrize("shape", [*bench_shapes().values(), TINY, ODD_GROUP],
+                         ids=[*bench_shapes(), "tiny-group-8", "head-dim-256-group-17"])
 def test_shape_estimates_the_static_shared_memory(shape):
     """KernelShape.shared_bytes decides which shapes the kernel accepts (the 48 KB static limit), so it
     must not undercount what the compiled kernel uses, and it overcounts by alignment at most."""

@@ -132,3 +132,11 @@ def test_python_mirrors_match_the_kernel_constants(mirror, source, name):
     # shape.py sizes buffers and shared memory from these; a kernel edit that left one behind would
     # overrun a buffer on the GPU instead of failing here.
     assert mirror == _kernel_constant(source, name)
+
+
+def test_fewer_mlp_rows_than_the_grid_s_ctas_are_refused():
+    # A CTA with no intermediate row of its own would prefetch the row before the MLP's weights.
+    shape = KernelShape(**(TINY | {"intermediate": 128}))
+    shape.check_grid(MIN_CTAS)  # 128 rows for 96 CTAs: every CTA has one at least
+    with pytest.raises(UnsupportedShapeError, match="intermediate_size 128 is fewer than this GPU's 132 SMs"):
+        shape.check_grid(132)
