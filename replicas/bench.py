@@ -478,6 +478,12 @@ def parse_args(argv: list[str] | None, kernel_cache: Path | None = None) -> argp
         parser.error("rounds must be at least 1")
     if args.kernel_sources and MEGAKERNEL not in args.methods:
         parser.error(f"--kernel-sources times variants beside the {MEGAKERNEL}: add it to --methods")
+    if args.rounds > 1 and MEGAKERNEL not in args.methods:
+        parser.error(f"--rounds times the {MEGAKERNEL}'s builds in turn: add it to --methods")
+    for flag, values in (("--models", args.models), ("--contexts", args.contexts), ("--methods", args.methods)):
+        repeated = sorted({value for value in values if values.count(value) > 1})
+        if repeated:
+            parser.error(f"{flag} names {', '.join(map(str, repeated))} more than once")
     if not args.out.parent.is_dir() or args.out.is_dir():
         parser.error(f"--out {args.out}: not a file in an existing folder (the report is written after each model)")
     unwritable = _cannot_write(args.out)

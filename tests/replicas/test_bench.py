@@ -101,6 +101,18 @@ def test_the_stage_table_gives_the_streaming_probe_s_share_of_the_roofline():
     assert "streaming probe" not in without_probes and "loader warp" not in without_probes
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--methods", "eager", "--rounds", "3"], "--rounds times the megakernel's builds in turn: add it to --methods"),
+    (["--models", "Qwen3-8B", "Qwen3-8B"], "--models names Qwen3-8B more than once"),
+    (["--contexts", "1024", "8192", "1024"], "--contexts names 1024 more than once"),
+    (["--methods", "eager", "eager"], "--methods names eager more than once"),
+])
+def test_flags_that_would_be_ignored_or_run_twice_are_refused(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        parse_args(["--kernel-cache", str(tmp_path / "k"), "--out", str(tmp_path / "b.json"), *argv])
+    assert message in capsys.readouterr().err
+
+
 def test_contexts_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--kernel-cache", "k", "--contexts", "0"])
