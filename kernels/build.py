@@ -100,6 +100,18 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+@functools.cache
+def nvrtc_fingerprint() -> str:
+    """NVRTC's version and the library files it runs from (path, size, modification time):
+    nvrtcVersion gives major.minor only, and a patch release (13.0.48 -> 13.0.88, say) may compile
+    the same source differently."""
+    library = cuda.pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path  # what cuda.bindings loaded
+    if library is None:  # loaded by a path the finder does not know: the version is all there is
+        return nvrtc_version()
+    files = sorted([Path(library), *Path(library).parent.glob("libnvrtc-builtins*")])
+    return "\0".join([nvrtc_version(), *(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)])
+
+
 def supported_archs() -> tuple[str, ...]:
     """The sm_XY targets this NVRTC can compile for (the 'a' variants exist for sm_90 and up)."""
     err, count = nvrtc.nvrtcGetNumSupportedArchs()
@@ -201,7 +213,7 @@ def cache_key(sources: dict[str, str], arch: str, name_expression: str) -> str:
     for name, text in sorted(sources.items()):
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
     options = json.dumps(COMPILE_OPTIONS, sort_keys=True)
-    for part in (arch, name_expression, options, cuda.core.__version__, nvrtc_version(), headers_fingerprint(),
+    for part in (arch, name_expression, options, cuda.core.__version__, nvrtc_fingerprint(), headers_fingerprint(),
                  str(CACHE_FORMAT)):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,25 @@ def test_an_edited_header_of_a_subfolder_is_a_cache_miss(tmp_path):
     header.write_text("constexpr int kProbeValue = 2;\n")
     with pytest.raises(KernelBuildError, match="the header is read afresh"):  # compiled again, not served
         cache.barrier_probe(HOPPER)
+
+
+def test_an_nvrtc_patch_release_changes_the_key(tmp_path, monkeypatch):
+    # nvrtcVersion says 13.0 for every 13.0.x: the library files themselves are in the key.
+    from megaserve.kernels import build
+
+    library = tmp_path / "libnvrtc.so.13"
+    library.write_bytes(b"13.0.48")
+    loaded = types.SimpleNamespace(abs_path=str(library))
+    monkeypatch.setattr(build.cuda.pathfinder, "load_nvidia_dynamic_lib", lambda name: loaded)
+    sources, name = source_files(), TINY.kernel_name(False)
+    try:
+        build.nvrtc_fingerprint.cache_clear()
+        before = cache_key(sources, HOPPER, name)
+        library.write_bytes(b"13.0.88 and more")  # pip's upgrade of the wheel in place
+        build.nvrtc_fingerprint.cache_clear()
+        assert cache_key(sources, HOPPER, name) != before
+    finally:
+        build.nvrtc_fingerprint.cache_clear()
 
 
 def test_changed_compiler_options_change_the_key(monkeypatch):
