@@ -41,7 +41,9 @@ SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inc", ".inl")  # the files a k
 CXX_STANDARD = "c++17"
 # NVRTC's options but the target and the include path (which differ per build and per machine).
 COMPILE_OPTIONS = {"std": CXX_STANDARD}
-CACHE_FORMAT = 1  # bump when the layout of an entry changes
+CACHE_FORMAT = 2  # bump when the layout of an entry changes (2: cubins named by their content)
+CUBIN_NAME_DIGITS = 16  # of a cubin's SHA-256 in its file name
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
 PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -105,8 +107,11 @@ def nvrtc_fingerprint() -> str:
     """NVRTC's version and the library files it runs from (path, size, modification time):
     nvrtcVersion gives major.minor only, and a patch release (13.0.48 -> 13.0.88, say) may compile
     the same source differently."""
-    library = cuda.pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path  # what cuda.bindings loaded
-    if library is None:  # loaded by a path the finder does not know: the version is all there is
+    try:
+        library = cuda.pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path  # what cuda.bindings loaded
+    except cuda.pathfinder.DynamicLibNotFoundError:  # loaded from where the finder does not look
+        library = None
+    if library is None:  # the version is all there is to go by
         return nvrtc_version()
     files = sorted([Path(library), *Path(library).parent.glob("libnvrtc-builtins*")])
     return "\0".join([nvrtc_version(), *(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)])
@@ -281,19 +286,29 @@ class KernelCache:
                         name_expression, error)
         return compiled
 
-    def _paths(self, key: str) -> tuple[Path, Path]:
-        return self.directory / f"{key}.cubin", self.directory / f"{key}.json"
+    def _record_path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def _cubin_path(self, key: str, sha256: str) -> Path:
+        """A cubin is named by its content: NVRTC's output differs from run to run (an embedded
+        module id), so two processes that compile one key at once write two different files, and
+        whichever record lands last names a cubin that is there."""
+        return self.directory / f"{key}.{sha256[:CUBIN_NAME_DIGITS]}.cubin"
 
     def _read(self, key: str, name_expression: str, arch: str) -> CompiledKernel | None:
-        cubin_path, record_path = self._paths(key)
         try:
-            record = json.loads(record_path.read_text())
-            cubin = cubin_path.read_bytes()
+            record = json.loads(self._record_path(key).read_text())
         except (OSError, ValueError):
             return None
+        digest = record.get("sha256") if isinstance(record, dict) else None
+        if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+            return None  # corrupt or foreign record: rebuild over it
+        try:
+            cubin = self._cubin_path(key, digest).read_bytes()
+        except OSError:
+            return None
         if (
-            not isinstance(record, dict)
-            or record.get("sha256") != hashlib.sha256(cubin).hexdigest()
+            digest != hashlib.sha256(cubin).hexdigest()
             or record.get("name_expression") != name_expression
             or not isinstance(record.get("symbol"), str)
         ):
@@ -302,7 +317,6 @@ class KernelCache:
 
     def _write(self, key: str, compiled: CompiledKernel) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        cubin_path, record_path = self._paths(key)
         record = {
             "name_expression": compiled.name_expression,
             "symbol": compiled.symbol,
@@ -310,9 +324,9 @@ class KernelCache:
             "sha256": hashlib.sha256(compiled.cubin).hexdigest(),
         }
         # The cubin goes first and the record last, each by an atomic rename: a reader never sees
-        # a record whose cubin is incomplete.
-        _write_atomic(cubin_path, compiled.cubin)
-        _write_atomic(record_path, json.dumps(record).encode())
+        # a record whose cubin is incomplete, and the record's rename is the one commit point.
+        _write_atomic(self._cubin_path(key, record["sha256"]), compiled.cubin)
+        _write_atomic(self._record_path(key), json.dumps(record).encode())
 
 
 def _compile(program: Program, name_expression: str, arch: str, **options) -> ObjectCode:

@@ -180,16 +180,39 @@ def test_cuda_headers_upgraded_in_place_change_the_key(tmp_path, monkeypatch):
         build.headers_fingerprint.cache_clear()
 
 
-@pytest.mark.parametrize("damage", ["truncate-cubin", "garbage-record", "other-symbol"])
+def test_two_processes_compiling_one_key_at_once_leave_an_entry_that_is_used(tmp_path):
+    # NVRTC's cubins differ from run to run: process A's cubin, then B's cubin and record, then A's
+    # record used to leave A's record beside B's cubin, a mismatch that every later lookup rebuilt.
+    first, second = KernelCache(tmp_path / "a"), KernelCache(tmp_path / "b")
+    a, b = first.decode_step(TINY, HOPPER), second.decode_step(TINY, HOPPER)
+    assert a.cubin != b.cubin  # else the race below would be no race
+    shared = KernelCache(tmp_path / "shared")
+    key = cache_key(source_files(), HOPPER, TINY.kernel_name(False))
+    a_cubin, a_record = next((tmp_path / "a").glob("*.cubin")), next((tmp_path / "a").glob("*.json"))
+    b_cubin, b_record = next((tmp_path / "b").glob("*.cubin")), next((tmp_path / "b").glob("*.json"))
+    (tmp_path / "shared").mkdir()
+    for path in (a_cubin, b_cubin, b_record, a_record):  # the writes of the two processes, interleaved
+        shutil.copy(path, tmp_path / "shared" / path.name)
+    assert (tmp_path / "shared" / f"{key}.json").is_file()
+    found = shared.decode_step(TINY, HOPPER)
+    assert found.from_cache and found.cubin == a.cubin  # the record that landed last, and its own cubin
+
+
+@pytest.mark.parametrize("damage", ["truncate-cubin", "garbage-record", "other-symbol", "record-not-an-object",
+                                    "digest-a-path"])
 def test_corrupt_entry_is_rebuilt(tmp_path, damage):
     cache = KernelCache(tmp_path)
     good = cache.decode_step(TINY, HOPPER)
     cubin_path = next(tmp_path.glob("*.cubin"))
-    record_path = cubin_path.with_suffix(".json")
+    (record_path,) = tmp_path.glob("*.json")
     if damage == "truncate-cubin":
         cubin_path.write_bytes(good.cubin[: len(good.cubin) // 2])
     elif damage == "garbage-record":
         record_path.write_text("{not json")
+    elif damage == "record-not-an-object":
+        record_path.write_text("[]")
+    elif damage == "digest-a-path":
+        record_path.write_text(json.dumps(json.loads(record_path.read_text()) | {"sha256": "../" * 20 + "x"}))
     else:
         record_path.write_text(json.dumps(json.loads(record_path.read_text()) | {"name_expression": "other"}))
     rebuilt = cache.decode_step(TINY, HOPPER)
