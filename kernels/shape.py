@@ -51,6 +51,10 @@ class ShapedConfig(Protocol):
     qk_norm: bool
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _pow2_floor(n: int) -> int:
     """The largest power of 2 <= n (common.cuh's pow2_floor)."""
     return 1 << (n.bit_length() - 1)
@@ -136,7 +140,7 @@ class KernelShape:
         """kMaxMlpRowsPerCta: the intermediate rows of one CTA's MLP slice on the smallest grid,
         rounded up to MLP_ROWS_ALIGN."""
         rows = -(-self.intermediate // MIN_CTAS)
-        return -(-rows // MLP_ROWS_ALIGN) * MLP_ROWS_ALIGN
+        return _round_up(rows, MLP_ROWS_ALIGN)
 
     @property
     def folds_splits_in_o(self) -> bool:
@@ -156,7 +160,7 @@ class KernelShape:
         attention = FLOAT_BYTES * group_elems + max(merge, first_block) + FLOAT_BYTES  # q, union, is_last_split
         rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
         mlp_slice = FLOAT_BYTES * self.max_mlp_rows_per_cta  # the CTA's SiLU(gate) * up values
-        union = -(-max(BF16_BYTES * self.max_input, attention) // UNION_ALIGN) * UNION_ALIGN
+        union = _round_up(max(BF16_BYTES * self.max_input, attention), UNION_ALIGN)
         return union + rope + mlp_slice + SHARED_RESERVED
 
     def check_grid(self, ctas: int) -> None:

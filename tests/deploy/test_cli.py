@@ -60,6 +60,11 @@ def _stop(proc: subprocess.Popen, signum: int, to_group: bool = False) -> str:
         os.killpg(proc.pid, signum)
     else:
         proc.send_signal(signum)
+    return _rest_of_output(proc)
+
+
+def _rest_of_output(proc: subprocess.Popen) -> str:
+    """Wait for `megaserve up` to exit, kill what the cluster left behind; returns the rest of the output."""
     try:
         rest, _ = proc.communicate(timeout=120)
     finally:
@@ -134,13 +139,7 @@ def test_a_start_that_runs_out_of_time_exits_1_without_draining(tmp_path):
     # Nothing was served, so nothing is left to finish: a replica that was never placed used to hold
     # the exit for its whole graceful_shutdown_seconds (300 s by default).
     proc, _ = _start_up(tmp_path, "--timeout", "0.1")
-    try:
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    rest = _rest_of_output(proc)
     assert proc.returncode == 1, rest
     assert "the app did not start" in rest and "megaserve: stopping" in rest
     assert "letting running requests finish" not in rest
