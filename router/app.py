@@ -53,6 +53,9 @@ SPILLOVER_PRIORITY = 1  # queue position in the throughput engine of work that a
 # instead the room left in the context, as in vLLM.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 UNION_TAG_TYPES = {"str", "int", "float", "bool"}
+# A client chooses the names of the fields it sends: the log line of ignored ones stays bounded.
+LOGGED_FIELD_NAMES = 8
+LOGGED_NAME_CHARS = 64
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +181,8 @@ class _Router:
         except ValidationError as error:
             raise _validation_error(error) from None
         self._check_model(body.model)
+        if ignored := body.ignored_fields:
+            log.warning("%s: served without fields it does not know: %s", request.url.path, _names_for_log(ignored))
         return body
 
     async def _read_limited(self, request: Request) -> bytes:
@@ -311,6 +316,12 @@ def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
 
 def _json(model: BaseModel, headers: Mapping[str, str] | None = None) -> Response:
     return Response(model.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def _names_for_log(names: list[str]) -> str:
+    shown = [repr(name[:LOGGED_NAME_CHARS]) for name in names[:LOGGED_FIELD_NAMES]]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
 
 
 def _validation_error(error: ValidationError) -> APIError:

@@ -4,8 +4,10 @@ Requests are validated strictly (a string where a number belongs is an error, no
 fields OpenAI defines that megaserve does not implement, and vLLM's and SGLang's extensions it does
 not implement, are refused by name when set to anything but their neutral value (or, for a switch
 megaserve implements one way only, to anything but that way), rather than silently ignored; fields
-nobody defines are ignored, as OpenAI does; so are a chat message's, but an assistant message's tool
-calls are refused as `tools` is. Extensions, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`,
+nobody defines are ignored, as vLLM and SGLang do (OpenAI refuses them), and the router logs their
+names, as vLLM does, so that a typo such as `max_token` shows; OpenAI's fields that change nothing
+in the output (`store`, `metadata`, ...) are ignored unlogged; a chat message's unknown fields are
+ignored too, but an assistant message's tool calls are refused as `tools` is. Extensions, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`,
 `stream_options.continuous_usage_stats`. Responses also carry `timing` (seconds), which OpenAI's
 clients keep as an extra attribute (streams: on the usage chunk).
 """
@@ -143,9 +145,17 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "lora_path": (None,),
 }
 
+# OpenAI's fields that leave the output as it is: served without them, and not logged as unknown.
+_OPENAI_NO_EFFECT_FIELDS = frozenset({
+    "store", "metadata", "parallel_tool_calls", "moderation", "prompt_cache_key", "prompt_cache_options",
+    "prompt_cache_retention", "safety_identifier",
+})
+
 # Chat-only fields: OpenAI's, then vLLM's and SGLang's chat template controls.
 _CHAT_UNSUPPORTED_NEUTRAL: dict[str, Any] = _UNSUPPORTED_NEUTRAL | {
     "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "function_call": (None, "none"),  # the legacy form of tool_choice
     "web_search_options": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
@@ -155,6 +165,8 @@ _CHAT_UNSUPPORTED_NEUTRAL: dict[str, Any] = _UNSUPPORTED_NEUTRAL | {
 class GenerationRequest(_RefusesUnsupported):
     """The sampling fields both endpoints share."""
 
+    # Unknown top-level fields are kept, so that `ignored_fields` can name them.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -213,6 +225,12 @@ class GenerationRequest(_RefusesUnsupported):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The top-level fields nobody defines, which the request is served without."""
+        known = self.unsupported_neutral.keys() | self.implemented_only_as.keys() | _OPENAI_NO_EFFECT_FIELDS
+        return sorted(name for name in self.model_extra or {} if name not in known)
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -81,6 +81,8 @@ BAD_REQUESTS = {
     "vLLM's add_generation_prompt off": (CHAT, chat(add_generation_prompt=False), 400, "add_generation_prompt"),
     "vLLM's continue_final_message on": (CHAT, chat(continue_final_message=True), 400, "continue_final_message"),
     "OpenAI's reasoning_effort": (CHAT, chat(reasoning_effort="low"), 400, "reasoning_effort"),
+    "OpenAI's verbosity": (CHAT, chat(verbosity="low"), 400, "verbosity"),
+    "OpenAI's legacy function_call": (CHAT, chat(function_call={"name": "f"}), 400, "function_call"),
     "SGLang's regex": (COMPLETIONS, completion(regex="[0-9]+"), 400, "regex"),
     "SGLang's ebnf": (COMPLETIONS, completion(ebnf='root ::= "a"'), 400, "ebnf"),
     "SGLang's json_schema": (CHAT, chat(json_schema="{}"), 400, "json_schema"),
@@ -134,16 +136,28 @@ def test_a_switch_implemented_one_way_is_refused_the_other_way_saying_which(rout
 def test_neutral_values_of_refused_fields_are_served(router_url):
     for path, content in ((CHAT, chat(max_tokens=1, add_generation_prompt=True, continue_final_message=False,
                                       add_special_tokens=False, chat_template_kwargs={}, logits_processors=[],
-                                      no_stop_trim=False, reasoning_effort=None)),
+                                      no_stop_trim=False, reasoning_effort=None, function_call="none")),
                           (COMPLETIONS, completion(max_tokens=1, add_special_tokens=True, regex=None))):
         response = httpx.post(router_url + path, content=content)
         assert response.status_code == 200, response.text
 
 
-def test_unknown_fields_are_ignored(router_url):
-    response = httpx.post(router_url + CHAT, content=chat(max_tokens=1, metadata={"k": "v"}, store=False,
-                                                          frobnicate=3))
-    assert response.status_code == 200
+def test_unknown_fields_are_ignored_and_named_in_the_log_but_openai_s_no_effect_fields_are_not(router_url, caplog):
+    with caplog.at_level(logging.WARNING, logger="megaserve.router.app"):
+        response = httpx.post(router_url + CHAT, content=chat(max_tokens=1, metadata={"k": "v"}, store=False,
+                                                              frobnicate=3, max_token=5))
+    assert response.status_code == 200, response.text
+    [line] = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert line.endswith("fields it does not know: 'frobnicate', 'max_token'"), line
+
+
+def test_the_log_of_unknown_fields_is_bounded_however_many_a_client_sends(router_url, caplog):
+    with caplog.at_level(logging.WARNING, logger="megaserve.router.app"):
+        fields = {f"{i:02d}" + "x" * 1000: i for i in range(50)}
+        response = httpx.post(router_url + COMPLETIONS, content=completion(max_tokens=1, **fields))
+    assert response.status_code == 200, response.text
+    [line] = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert line.endswith(" and 42 more") and line.count("'07" + "x" * 62 + "'") == 1 and "'08" not in line, line
 
 
 def test_unknown_tier_header_is_a_400(router_url):
