@@ -6,9 +6,11 @@ closes the stream (stop string, client gone), so Ray cancels the replica-side ge
 batch-1 replica stops decoding at its next step. Serve's own refusals become OpenAI errors:
 BackPressureError (the replicas' queues are full) -> 429, no replica to take the call -> 503.
 A replica's EngineError (a refused request) and EngineDeadError (an engine that failed or was shut
-down, whose replica Serve has yet to replace) reach the app as themselves: a 400 and a 503.
-A replica that dies or fails mid-generation ends the request with an OpenAI server error (a 500,
-or an error event on a stream that already started), never a broken connection.
+down, whose replica Serve has yet to replace) reach the app as themselves: a 400 and a 503. A
+replica actor that dies is a dead engine too (503 with Retry-After: the request was fine, a retry
+finds the replacement), and the tier's replica count is read again at the next admission. Any
+other failure of a call ends the request with an OpenAI server error (a 500, or an error event on a
+stream that already started), never a broken connection.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ServeBackend:
         self._stream = handle.options(stream=True)
         self._healthy = 1  # until the first status answer: let Serve's own errors speak
         self._checked_at = float("-inf")
+        self._reading: asyncio.Future[None] | None = None  # the status read that callers share
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
         response = self._stream.generate.remote(request)
@@ -72,7 +75,8 @@ class ServeBackend:
                 raise EngineDeadError(str(error.cause)) from None
             raise GenerationFailed(f"the {self.handle.deployment_name} replica failed: {error.cause!r}") from None
         except RayActorError as error:
-            raise GenerationFailed(f"the {self.handle.deployment_name} replica died: {_first_line(error)}") from None
+            self._checked_at = float("-inf")  # a replica is gone: the next admission counts afresh
+            raise EngineDeadError(f"the {self.handle.deployment_name} replica died: {_first_line(error)}") from None
         except RayError as error:  # a crashed worker, a lost object: Ray lost the call
             raise GenerationFailed(f"the call to the {self.handle.deployment_name} replica failed: "
                                    f"{type(error).__name__}: {_first_line(error)}") from None
@@ -81,19 +85,31 @@ class ServeBackend:
                 response.cancel()
 
     async def healthy_replicas(self) -> int:
-        if time.monotonic() - self._checked_at > HEALTH_CACHE_SECONDS:
-            self._checked_at = time.monotonic()
-            try:
-                self._healthy = await asyncio.to_thread(self._running_replicas)
-            except Exception:  # noqa: BLE001 - the controller may be restarting; keep the last count
-                log.warning("could not read the replica states of %s", self.handle.deployment_name,
-                            exc_info=True)
+        """The count of at most HEALTH_CACHE_SECONDS ago; every caller that finds it older waits for
+        the one read that renews it (a caller answered from the old count while the read runs
+        would refuse a tier that has just come up)."""
+        if self._reading is None and time.monotonic() - self._checked_at > HEALTH_CACHE_SECONDS:
+            self._reading = asyncio.ensure_future(self._read_healthy())
+        if self._reading is not None:
+            await asyncio.shield(self._reading)  # a caller that leaves does not cancel the others' read
         return self._healthy
 
+    async def _read_healthy(self) -> None:
+        try:
+            self._healthy = await asyncio.to_thread(self._running_replicas)
+        except Exception:  # noqa: BLE001 - the controller may be restarting; keep the last count
+            log.warning("could not read the replica states of %s", self.handle.deployment_name, exc_info=True)
+        finally:
+            self._checked_at = time.monotonic()
+            self._reading = None
+
     def _running_replicas(self) -> int:
-        application = serve.status().applications[self.handle.app_name]
-        states = application.deployments[self.handle.deployment_name].replica_states
-        return sum(count for state, count in states.items() if state == RUNNING)
+        """RUNNING replicas of the tier; none once its app or deployment is gone (being deleted)."""
+        application = serve.status().applications.get(self.handle.app_name)
+        deployment = application.deployments.get(self.handle.deployment_name) if application else None
+        if deployment is None:
+            return 0
+        return sum(count for state, count in deployment.replica_states.items() if state == RUNNING)
 
 
 def serve_router_position() -> tuple[int, int]:

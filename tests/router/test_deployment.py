@@ -1,7 +1,8 @@
 """ServeBackend's translation of what a DeploymentHandle raises, with a stand-in handle (the real
-ones run in tests/deploy/test_app.py): every Ray failure of a call ends the generation as
+ones run in tests/deploy/test_app.py): a Ray failure of a call ends the generation as
 GenerationFailed, which the router reports as an OpenAI server error, and the call is cancelled; an
-engine's own EngineError and EngineDeadError come through as themselves.
+engine's own EngineError and EngineDeadError come through as themselves, and a dead replica actor
+as EngineDeadError (a 503 to retry). Its count of healthy replicas, from a stand-in serve.status().
 And router replicas on the live stack's Serve: each admits its own share of the tiers."""
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import time
 import urllib.request
 
 import pytest
-from ray.exceptions import ObjectLostError, RayTaskError, WorkerCrashedError
+from types import SimpleNamespace
+
+from ray.exceptions import ActorDiedError, ObjectLostError, RayTaskError, WorkerCrashedError
 
 from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.protocol import EngineDeadError, EngineError, GenerateRequest, StepOutput
-from megaserve.router.deployment import RouterDeployment, ServeBackend
+from megaserve.router import deployment
+from megaserve.router.deployment import HEALTH_CACHE_SECONDS, RouterDeployment, ServeBackend
 from megaserve.router.generation import GenerationFailed
 from megaserve.router.settings import RouterSettings
 
@@ -44,6 +48,7 @@ class FailingResponse:
 class Handle:
     """Stands in for `DeploymentHandle`: options(stream=True).generate.remote(request)."""
 
+    app_name = "megaserve"
     deployment_name = "LatencyReplica"
 
     def __init__(self, response: FailingResponse) -> None:
@@ -86,6 +91,62 @@ def test_an_engine_s_own_errors_come_through_the_handle_as_themselves(engine_err
         asyncio.run(consume())
     assert type(raised.value) is type(engine_error) and str(raised.value) == str(engine_error)
     assert response.cancelled
+
+
+def test_a_replica_actor_that_dies_is_a_dead_engine_and_the_tier_is_counted_again():
+    response = FailingResponse(ActorDiedError())
+    backend = ServeBackend(Handle(response), retry_after_seconds=1)
+    backend._checked_at = time.monotonic()  # a fresh count, as while the replica was up
+
+    async def consume() -> list[StepOutput]:
+        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
+
+    with pytest.raises(EngineDeadError, match="the LatencyReplica replica died"):
+        asyncio.run(consume())
+    assert response.cancelled
+    assert backend._checked_at == float("-inf")
+
+
+def serve_status(applications: dict) -> SimpleNamespace:
+    return SimpleNamespace(applications=applications)
+
+
+def replicas(**states: int) -> SimpleNamespace:
+    return SimpleNamespace(replica_states=states)
+
+
+@pytest.mark.parametrize("applications, healthy", [
+    ({"megaserve": SimpleNamespace(deployments={"LatencyReplica": replicas(RUNNING=2, STARTING=1)})}, 2),
+    ({"megaserve": SimpleNamespace(deployments={"LatencyReplica": replicas(STOPPING=2)})}, 0),
+    ({"megaserve": SimpleNamespace(deployments={})}, 0),  # the app is being deleted
+    ({}, 0),
+], ids=["running", "stopping", "deployment gone", "app gone"])
+def test_the_healthy_count_is_the_running_replicas_and_none_once_the_tier_is_gone(monkeypatch, applications, healthy):
+    monkeypatch.setattr(deployment.serve, "status", lambda: serve_status(applications))
+    backend = ServeBackend(Handle(FailingResponse(RuntimeError())), retry_after_seconds=1)
+    assert asyncio.run(backend.healthy_replicas()) == healthy
+
+
+def test_callers_that_find_the_count_old_all_wait_for_one_read_of_it(monkeypatch):
+    """A tier that has just come up: every request of a burst sees it, not only the first."""
+    reads = []
+
+    def status() -> SimpleNamespace:
+        reads.append(time.monotonic())
+        time.sleep(0.2)
+        return serve_status({"megaserve": SimpleNamespace(deployments={"LatencyReplica": replicas(RUNNING=3)})})
+
+    monkeypatch.setattr(deployment.serve, "status", status)
+    backend = ServeBackend(Handle(FailingResponse(RuntimeError())), retry_after_seconds=1)
+    backend._healthy = 0  # as read while the tier was starting
+
+    async def burst() -> list[int]:
+        return await asyncio.gather(*(backend.healthy_replicas() for _ in range(8)))
+
+    assert asyncio.run(burst()) == [3] * 8
+    assert len(reads) == 1
+    backend._checked_at -= HEALTH_CACHE_SECONDS + 1
+    assert asyncio.run(backend.healthy_replicas()) == 3 and len(reads) == 2
 
 
 @pytest.mark.integration
