@@ -187,6 +187,18 @@ def warn_if_gpus_wait_for_tensor_parallelism(config: AppConfig) -> bool:
     return True
 
 
+def warn_if_unauthenticated(env: Environment) -> bool:
+    """Warn (and return True) when the app serves without API keys: MEGASERVE_API_KEYS unset where
+    the app is built (exported in a shell other than the one that ran `ray start` or `serve deploy`,
+    say), or the client's one-letter-shorter MEGASERVE_API_KEY set in its place."""
+    if env.api_keys:
+        return False
+    mistaken = " (MEGASERVE_API_KEY is set: that is the client's key; the server reads MEGASERVE_API_KEYS)"
+    log.warning("MEGASERVE_API_KEYS is not set: the API serves every caller without a key%s",
+                mistaken if env.api_key else "")
+    return True
+
+
 @dataclass(frozen=True)
 class ClusterPorts:
     """Ports that servers hold in the Ray cluster this process is in, port -> what holds it:
@@ -234,6 +246,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     warn_if_sglang_is_missing(config)
     warn_if_gpus_wait_for_tensor_parallelism(config)
     env = Environment.read()
+    warn_if_unauthenticated(env)
     process_env = _process_env(config, env)
     directory = model_dir(config, env)
 
