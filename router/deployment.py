@@ -4,7 +4,8 @@ Each tier is a `DeploymentHandle` to replicas whose `generate(request)` is an as
 `StepOutput`s. `ServeBackend` calls it with `stream=True` and cancels the call when the router
 closes the stream (stop string, client gone), so Ray cancels the replica-side generator and a
 batch-1 replica stops decoding at its next step. Serve's own refusals become OpenAI errors:
-BackPressureError (the replicas' queues are full) -> 429, no replica to take the call -> 503.
+BackPressureError (the replicas' queues are full) -> 429, no replica to take the call -> 503, and
+so is a call still waiting for its first output while the tier has no RUNNING replica.
 A replica's EngineError (a refused request) and EngineDeadError (an engine that failed or was shut
 down, whose replica Serve has yet to replace) reach the app as themselves: a 400 and a 503. A
 replica actor that dies is a dead engine too (503 with Retry-After: the request was fine, a retry
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI
 from ray import serve
@@ -60,9 +61,14 @@ class ServeBackend:
         response = self._stream.generate.remote(request)
         finished = False
         try:
-            async for output in response:
+            outputs = aiter(response)
+            output = await self._first_output(outputs)
+            while True:
                 finished = output.finish_reason is not None
                 yield output
+                output = await anext(outputs)
+        except StopAsyncIteration:
+            return
         except BackPressureError as error:
             raise busy(f"the replicas' queues are full: {error}", self.retry_after_seconds,
                        unavailable=False) from None
@@ -83,6 +89,21 @@ class ServeBackend:
         finally:
             if not finished:
                 response.cancel()
+
+    async def _first_output(self, outputs: AsyncIterator[StepOutput]) -> StepOutput:
+        """The call's first output. Serve holds a call that no replica can take until one can: while
+        the tier has no RUNNING replica (every one restarting, or stopping with the app), the wait
+        ends as a 503 instead, once the count says so, rather than lasting until a replacement is up
+        or the router is stopped."""
+        first = asyncio.ensure_future(anext(outputs))
+        try:
+            while not (await asyncio.wait({first}, timeout=HEALTH_CACHE_SECONDS))[0]:
+                if await self.healthy_replicas() == 0:
+                    raise busy(f"no {self.handle.deployment_name} replica is running to take the request",
+                               self.retry_after_seconds, unavailable=True)
+            return first.result()
+        finally:
+            first.cancel()  # a no-op once it is done
 
     async def healthy_replicas(self) -> int:
         """The count of at most HEALTH_CACHE_SECONDS ago; every caller that finds it older waits for

@@ -18,9 +18,10 @@ from types import SimpleNamespace
 from ray.exceptions import ActorDiedError, ObjectLostError, RayTaskError, WorkerCrashedError
 
 from megaserve.replicas.models.demo import ensure_demo_model
-from megaserve.replicas.protocol import EngineDeadError, EngineError, GenerateRequest, StepOutput
+from megaserve.replicas.protocol import EngineDeadError, EngineError, FinishReason, GenerateRequest, StepOutput
 from megaserve.router import deployment
 from megaserve.router.deployment import HEALTH_CACHE_SECONDS, RouterDeployment, ServeBackend
+from megaserve.router.errors import APIError
 from megaserve.router.generation import GenerationFailed
 from megaserve.router.settings import RouterSettings
 
@@ -147,6 +148,59 @@ def test_callers_that_find_the_count_old_all_wait_for_one_read_of_it(monkeypatch
     assert len(reads) == 1
     backend._checked_at -= HEALTH_CACHE_SECONDS + 1
     assert asyncio.run(backend.healthy_replicas()) == 3 and len(reads) == 2
+
+
+class SlowResponse:
+    """A streaming response whose one output comes after `delay` seconds (never, for None)."""
+
+    def __init__(self, delay: float | None) -> None:
+        self.delay = delay
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._outputs()
+
+    async def _outputs(self):
+        await asyncio.sleep(self.delay if self.delay is not None else 3600)
+        yield StepOutput([5], [0.001], FinishReason.LENGTH)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def running(count: int):
+    return lambda: serve_status({"megaserve": SimpleNamespace(deployments={"LatencyReplica": replicas(RUNNING=count)})})
+
+
+def test_a_call_waiting_for_a_tier_with_no_running_replica_ends_as_a_503(monkeypatch):
+    """Every replica restarting, or stopping with the app: the call is not held until one is up."""
+    monkeypatch.setattr(deployment, "HEALTH_CACHE_SECONDS", 0.05)
+    monkeypatch.setattr(deployment.serve, "status", running(0))
+    response = SlowResponse(None)
+    backend = ServeBackend(Handle(response), retry_after_seconds=7)
+
+    async def consume() -> list[StepOutput]:
+        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
+
+    with pytest.raises(APIError) as raised:
+        asyncio.run(asyncio.wait_for(consume(), timeout=10))  # without the check: a TimeoutError
+    assert raised.value.status == 503 and raised.value.headers == {"Retry-After": "7"}
+    assert "no LatencyReplica replica is running" in raised.value.message
+    assert response.cancelled
+
+
+def test_a_call_that_waits_for_its_first_output_on_a_running_tier_is_served(monkeypatch):
+    monkeypatch.setattr(deployment, "HEALTH_CACHE_SECONDS", 0.05)
+    monkeypatch.setattr(deployment.serve, "status", running(1))
+    response = SlowResponse(0.5)  # ten health intervals: a long prefill, say
+    backend = ServeBackend(Handle(response), retry_after_seconds=1)
+
+    async def consume() -> list[StepOutput]:
+        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
+
+    [output] = asyncio.run(consume())
+    assert output.token_ids == [5] and output.finish_reason is FinishReason.LENGTH
+    assert not response.cancelled
 
 
 @pytest.mark.integration
