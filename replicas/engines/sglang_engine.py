@@ -30,9 +30,13 @@ written to PROMETHEUS_MULTIPROC_DIR, the node's megaserve metrics folder, and so
 ours), `mem_fraction_static` (the tier's `sglang_mem_fraction_static`) and `skip_tokenizer_init`
 (always on: token ids in and out, replicas never see text). Any other `ServerArgs` field (e.g.
 chunked_prefill_size) comes through `engine_args`, but for those that would fail only once SGLang
-starts on the GPUs (`check_engine_args`): a placement of its own (PLACEMENT_ARGS), a schedule
-policy that priority scheduling refuses, and priority scheduling off with ABORT_ON_PRIORITY_ARG on
-(SGLang would then abort every request: each one is sent with a priority).
+starts on the GPUs or would break requests (`check_engine_args`): a placement of its own
+(PLACEMENT_ARGS), a schedule policy that priority scheduling refuses, priority scheduling off with
+ABORT_ON_PRIORITY_ARG on (SGLang would then abort every request: each one is sent with a priority)
+or with RETRACTION_ARG "priority" (SGLang refuses to start), lower priority values first (the
+tiers' order reversed), and speculative decoding (SPECULATIVE_ARG: EAGLE reserves draft-token
+slots of every request's context, SGLang's num_reserved_tokens, which CONTEXT_MARGIN does not
+cover, so SGLang would refuse requests that `Engine.validate` accepts).
 `enable_priority_scheduling` is on unless `engine_args` says otherwise, so that
 `GenerateRequest.priority` orders SGLang's queue, larger first (SGLang's default direction). A seed
 maps to SGLang's `sampling_seed`, which SGLang honours when started with
@@ -116,6 +120,9 @@ INSTALL_HINT = "pip install 'megaserve[sglang]'"
 PRIORITY_ARG = "enable_priority_scheduling"
 # With priority scheduling off, SGLang aborts every request that carries a priority, as ours all do.
 ABORT_ON_PRIORITY_ARG = "abort_on_priority_when_disabled"
+LOW_PRIORITY_FIRST_ARG = "schedule_low_priority_values_first"
+RETRACTION_ARG = "retraction_policy"
+SPECULATIVE_ARG = "speculative_algorithm"
 SGLANG_DEFAULTS: dict[str, Any] = {PRIORITY_ARG: True}
 OWNED_ARGS = (
     "model_path", "tp_size", "context_length", "dtype", "max_running_requests", "enable_metrics",
@@ -131,6 +138,9 @@ PRIORITY_SCHEDULE_POLICIES = ("fcfs", "lof")
 INCREMENTAL_ARG = "incremental_streaming_output"
 TOP_K_DISABLED = -1  # SGLang's spelling of "no top-k": its TOP_K_ALL, the whole vocabulary
 FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+# A "stop" whose `matched` is this: SGLang sampled an id outside the vocabulary (NaN logits) and
+# put a stop id in its place (ScheduleBatch's vocabulary boundary check): a failure, not an end.
+NAN_MATCHED = "NaN happened"
 CONTEXT_MARGIN = 6  # SGLang's context_length beyond the engine's max_context (see the module's doc)
 # SGLang's switch for a context_length past its reading of the model's length
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
@@ -181,9 +191,8 @@ def generate_kwargs(prompt_token_ids: Sequence[int], sampling_params: Mapping[st
 
 
 def check_engine_args(engine_args: Mapping[str, Any]) -> None:
-    """Refuse `engine_args` that SGLang would fail on only once its processes start on the GPUs:
-    a placement of its own, a schedule policy that priority scheduling (on by default) refuses, or
-    priority scheduling off with ABORT_ON_PRIORITY_ARG on, which would abort every request."""
+    """Refuse `engine_args` that SGLang would fail on only once its processes start on the GPUs, or
+    that would break requests: see the module's doc."""
     placement = sorted(set(PLACEMENT_ARGS) & set(engine_args))
     if placement:
         raise ValueError(f"{placement} must not be set: the replica's placement decides SGLang's GPUs "
@@ -197,6 +206,15 @@ def check_engine_args(engine_args: Mapping[str, Any]) -> None:
     if not priority and engine_args.get(ABORT_ON_PRIORITY_ARG, False):
         raise ValueError(f"{ABORT_ON_PRIORITY_ARG}: true with {PRIORITY_ARG}: false would make SGLang abort every "
                          f"request, since each one carries its tier's priority; leave {ABORT_ON_PRIORITY_ARG} off")
+    if not priority and engine_args.get(RETRACTION_ARG) == "priority":
+        raise ValueError(f"{RETRACTION_ARG}: priority needs {PRIORITY_ARG} (SGLang refuses to start without it)")
+    if priority and engine_args.get(LOW_PRIORITY_FIRST_ARG, False):
+        raise ValueError(f"{LOW_PRIORITY_FIRST_ARG}: true would serve the tier's spillover requests (priority 1) "
+                         f"after its own (0): megaserve's priorities are larger first")
+    if engine_args.get(SPECULATIVE_ARG) is not None:
+        raise ValueError(f"{SPECULATIVE_ARG} is not supported: speculative decoding reserves draft-token slots of "
+                         f"every request's context that megaserve's context arithmetic does not count, so SGLang "
+                         f"would refuse requests that fill the context")
 
 
 def engine_launch_args(
@@ -290,6 +308,8 @@ def finish_of(reason: Mapping[str, Any] | None) -> tuple[FinishReason | None, st
     kind = reason.get("type")
     if kind not in FINISH_TYPES:
         return FinishReason.ABORT, f"SGLang finished with an unknown reason {dict(reason)!r}"
+    if kind == "stop" and reason.get("matched") == NAN_MATCHED:
+        return FinishReason.ABORT, "SGLang sampled a token outside the vocabulary (NaN in the logits)"
     return FINISH_TYPES[kind], reason.get("message") if kind == "abort" else None
 
 

@@ -28,9 +28,13 @@ from megaserve.replicas.engines.sglang_engine import (
     HEALTH_SAMPLING,
     INCREMENTAL_ARG,
     LONGER_CONTEXT_ENV,
+    LOW_PRIORITY_FIRST_ARG,
+    NAN_MATCHED,
     PLACEMENT_ARGS,
     PRIORITY_ARG,
     PRIORITY_SCHEDULE_POLICIES,
+    RETRACTION_ARG,
+    SPECULATIVE_ARG,
     TOP_K_DISABLED,
     check_engine_args,
     engine_launch_args,
@@ -149,6 +153,22 @@ def test_check_engine_args_refuses_exactly_the_priority_settings_that_make_sglan
     else:
         refused = False
     assert refused is not admitted, settings
+
+
+def test_the_other_args_check_engine_args_refuses_are_server_args_as_it_reads_them(sglang):
+    fields = sglang.server_args_fields()
+    assert {LOW_PRIORITY_FIRST_ARG, RETRACTION_ARG, SPECULATIVE_ARG} <= set(fields)
+    assert "None" in type_names(fields[SPECULATIVE_ARG])  # unset: no speculative decoding
+    # SGLang's own start-up refusal that check_engine_args brings forward to the config's validation
+    hook = sglang.text("sglang/srt/arg_groups/validation_hook.py")
+    assert f'cfg.{RETRACTION_ARG} == "priority" and not cfg.{PRIORITY_ARG}' in hook
+    # Speculative decoding's reserve, which CONTEXT_MARGIN does not count, is the tokenizer's check
+    assert "input_token_num += self.num_reserved_tokens" in sglang.text("sglang/srt/managers/tokenizer_manager.py")
+
+
+def test_an_out_of_vocabulary_sample_is_the_stop_that_finish_of_reads_as_a_failure(sglang):
+    check = ast.unparse(sglang.method(sglang.cls(SCHEDULE_BATCH, "Req"), "_check_vocab_boundary_finish"))
+    assert f"FINISH_MATCHED_STR(matched={NAN_MATCHED!r})" in check
 
 
 def test_the_placement_args_refused_are_server_args_and_cover_sglang_s_world_size(sglang):

@@ -127,6 +127,12 @@ def test_launch_args_leave_unset_limits_to_sglang():
      "set enable_priority_scheduling: false as well"),
     ({"engine_args": {"enable_priority_scheduling": False, "abort_on_priority_when_disabled": True}},
      "abort_on_priority_when_disabled: true with enable_priority_scheduling: false would make SGLang abort every"),
+    ({"engine_args": {"enable_priority_scheduling": False, "retraction_policy": "priority"}},
+     "retraction_policy: priority needs enable_priority_scheduling"),
+    ({"engine_args": {"schedule_low_priority_values_first": True}},
+     r"would serve the tier's spillover requests \(priority 1\) after its own"),
+    ({"engine_args": {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3}},
+     "speculative_algorithm is not supported"),
 ])
 def test_bad_launch_settings_are_refused(settings, message):
     settings = {"tp_size": 1, "context_length": 512} | settings
@@ -139,6 +145,9 @@ def test_bad_launch_settings_are_refused(settings, message):
     {"schedule_policy": "lpm", "enable_priority_scheduling": False},  # the operator gives priority up
     {"abort_on_priority_when_disabled": True},  # priority scheduling stays on: no request is aborted
     {"abort_on_priority_when_disabled": False, "enable_priority_scheduling": False},
+    {"retraction_policy": "priority"}, {"retraction_policy": "length", "enable_priority_scheduling": False},
+    {"schedule_low_priority_values_first": True, "enable_priority_scheduling": False},  # then it orders nothing
+    {"speculative_algorithm": None},
 ])
 def test_schedule_policies_that_priority_scheduling_takes_or_without_it_are_passed_on(engine_args):
     args = engine_launch_args("/models/m", tp_size=1, context_length=512, engine_args=engine_args)
@@ -236,6 +245,11 @@ def test_a_final_output_that_repeats_everything_adds_nothing():
 )
 def test_finish_reasons_map_to_ours(reason, expected):
     assert finish_of(reason) == expected
+
+
+def test_an_out_of_vocabulary_sample_aborts_instead_of_stopping():
+    reason, error = finish_of({"type": "stop", "matched": "NaN happened"})
+    assert reason == FinishReason.ABORT and "outside the vocabulary" in error
 
 
 def test_an_unknown_finish_reason_aborts_with_its_description():
