@@ -138,5 +138,8 @@ def test_fewer_mlp_rows_than_the_grid_s_ctas_are_refused():
     # A CTA with no intermediate row of its own would prefetch the row before the MLP's weights.
     shape = KernelShape(**(TINY | {"intermediate": 128}))
     shape.check_grid(MIN_CTAS)  # 128 rows for 96 CTAs: every CTA has one at least
+    shape.check_grid(128)  # one row each
+    with pytest.raises(UnsupportedShapeError, match="intermediate_size 128 is fewer than this GPU's 129 SMs"):
+        shape.check_grid(129)
     with pytest.raises(UnsupportedShapeError, match="intermediate_size 128 is fewer than this GPU's 132 SMs"):
         shape.check_grid(132)

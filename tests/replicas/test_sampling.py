@@ -111,6 +111,17 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert abs(counts[0] - 0.5 / 0.8) < FREQUENCY_TOLERANCE
 
 
+def test_top_p_drops_the_token_whose_preceding_mass_is_exactly_p():
+    # probabilities 0.5, 0.25, 0.125, 0.125 (exact in float32): the mass before the third token is
+    # 0.75 exactly, not below top_p=0.75, so only the first two are kept.
+    logits = torch.full((DRAWS, VOCAB), -1e9)
+    logits[:, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    params = [SamplingParams(temperature=1.0, top_p=0.75)] * DRAWS
+    tokens = _draw(logits, params, [0] * DRAWS, torch.Generator().manual_seed(2))
+    counts = torch.bincount(tokens, minlength=VOCAB)
+    assert counts[2:].sum() == 0 and counts[0] > 0 and counts[1] > 0
+
+
 def test_temperature_sampling_follows_softmax_for_seeded_and_unseeded_rows():
     base = torch.tensor([2.0, 1.0, 0.5, 0.0])
     logits = torch.full((DRAWS, VOCAB), -1e9)

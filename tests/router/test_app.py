@@ -290,19 +290,23 @@ def test_api_keys_guard_everything_but_health(serve_router, engines):
 
 @pytest.mark.parametrize(("served", "routes", "priorities"), [
     # what asked for latency queues ahead of bulk work in the throughput engine, as spilled-over work does
-    (Tier.THROUGHPUT, (("priority", "only_tier"), ("default", "requested")), [SPILLOVER_PRIORITY, 0]),
-    # and bulk work that the latency engine takes waits at the default priority
-    (Tier.LATENCY, (("default", "only_tier"), ("priority", "requested")), [0, 0]),
+    (Tier.THROUGHPUT, (("priority", "only_tier", "default"), ("default", "requested", "default"),
+                       ("flex", "requested", "flex")), [SPILLOVER_PRIORITY, 0, 0]),
+    # and bulk work that the latency engine takes waits at the default priority; the answer names
+    # the tier that served it, whatever the request asked for
+    (Tier.LATENCY, (("default", "only_tier", "priority"), ("priority", "requested", "priority"),
+                    ("flex", "only_tier", "priority")), [0, 0, 0]),
 ])
 def test_a_single_tier_deployment_serves_everything_from_it(serve_router, engines, served, routes, priorities):
     backend = RecordingEngineBackend(engines[served])
     missing = Tier.LATENCY if served == Tier.THROUGHPUT else Tier.THROUGHPUT
     url = serve_router({served: backend}, **{f"{missing.value}_capacity": 0})
-    for service_tier, reason in routes:
+    for service_tier, reason, echoed in routes:
         response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                               "service_tier": service_tier})
         assert response.headers["x-megaserve-tier"] == served.value
         assert response.headers["x-megaserve-route-reason"] == reason
+        assert response.json()["service_tier"] == echoed
     assert [r.priority for r in backend.requests] == priorities
     assert httpx.get(url + "/health").json()["tiers"][missing.value]["healthy"] is False
 

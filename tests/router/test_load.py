@@ -224,8 +224,8 @@ class CleanupFailingBackend(EngineBackend):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_backend_failing_at_close_still_gives_the_slot_back(serve_router, engines, stream):
-    url = serve_router({Tier.LATENCY: CleanupFailingBackend(engines[Tier.LATENCY]),
-                        Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])})
+    failing = CleanupFailingBackend(engines[Tier.LATENCY])
+    url = serve_router({Tier.LATENCY: failing, Tier.THROUGHPUT: EngineBackend(engines[Tier.THROUGHPUT])})
     # The client leaves mid-generation, so the router closes the backend stream while it is
     # suspended, and that close raises.
     body = {**PRIORITY, **LONG, "stream": stream}
@@ -235,5 +235,6 @@ def test_a_backend_failing_at_close_still_gives_the_slot_back(serve_router, engi
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
     wait_until(lambda: running_requests(engines[Tier.LATENCY]) == 0)
+    wait_until(lambda: failing.failed)  # the close did raise
     follow_up = httpx.post(url + "/v1/completions", json={**PRIORITY, "max_tokens": 1}, timeout=30)
     assert follow_up.headers["x-megaserve-tier"] == "latency"  # not spilled: the slot came back

@@ -15,9 +15,10 @@ from megaserve.router.settings import router_share
     (0, 2, [0, 0]),
 ])
 def test_routers_share_a_tier_without_admitting_more_than_it_runs(total, routers, shares):
-    assert [router_share(total, routers, rank) for rank in range(routers)] == shares
-    if total >= routers:
-        assert sum(shares) == total
+    computed = [router_share(total, routers, rank) for rank in range(routers)]
+    assert computed == shares
+    if total >= routers:  # together the routers admit exactly what the tier runs
+        assert sum(computed) == total
 
 
 @pytest.mark.parametrize("routers, rank", [(0, 0), (2, -1)])
