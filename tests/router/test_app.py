@@ -396,3 +396,42 @@ def test_a_client_that_leaves_while_sending_its_body_is_answered_as_gone_not_as_
         asyncio.run(app(scope, receive, send))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == status
     assert ("unexpected error serving" in caplog.text) == (status == 500)
+
+
+class LoopRecordingTokenizer:
+    """The demo tokenizer, noting for each prompt it tokenizes whether that ran on an event loop."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.on_loop: list[bool] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def _note(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.on_loop.append(False)
+        else:
+            self.on_loop.append(True)
+
+    def encode(self, *args, **kwargs):
+        self._note()
+        return self.inner.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self._note()
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(demo_model_dir, tokenizer, engines):
+    """A long prompt's tokenization would stall every other stream of the router: the app hands it
+    to a worker thread (the tokenizer's own test shows that such a thread leaves the loop free)."""
+    recording = LoopRecordingTokenizer(tokenizer)
+    backends = {tier: EngineBackend(engine) for tier, engine in engines.items()}
+    with serving(create_app(router_settings(demo_model_dir), backends, recording)) as url:
+        for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": HELLO})):
+            response = httpx.post(url + path, json={"model": MODEL, "max_tokens": 1, **body})
+            assert response.status_code == 200, response.text
+    assert recording.on_loop == [False, False, False]  # encode; the chat template, then encode
