@@ -5,7 +5,7 @@ Each tier is a `DeploymentHandle` to replicas whose `generate(request)` is an as
 closes the stream (stop string, client gone), so Ray cancels the replica-side generator and a
 batch-1 replica stops decoding at its next step. Serve's own refusals become OpenAI errors:
 BackPressureError (the replicas' queues are full) -> 429, no replica to take the call -> 503, and
-so is a call still waiting for its first output while the tier has no RUNNING replica.
+so is a call that no replica has taken yet while the tier has no RUNNING replica.
 A replica's EngineError (a refused request) and EngineDeadError (an engine that failed or was shut
 down, whose replica Serve has yet to replace) reach the app as themselves: a 400 and a 503. A
 replica actor that dies is a dead engine too (503 with Retry-After: the request was fine, a retry
@@ -17,9 +17,11 @@ stream that already started), never a broken connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
@@ -38,7 +40,12 @@ from megaserve.router.policy import single_router
 from megaserve.router.settings import RouterSettings
 
 HEALTH_CACHE_SECONDS = 2.0  # serve.status() asks the controller: once per interval, not per request
+# How long a caller that the cached count would refuse (no healthy replica) waits for the read
+# that renews it; the controller may be slow or restarting.
+HEALTH_READ_WAIT_SECONDS = 2.0
 RUNNING = "RUNNING"  # the ReplicaState of a replica that takes requests
+# The future of a Serve call's assignment to a replica (ray.serve.handle._DeploymentResponseBase)
+ASSIGNMENT_ATTRIBUTE = "_replica_result_future"
 # Requests a router replica holds beyond the tiers' slots it may admit: latency requests waiting
 # for a slot, refusals on their way out, /health and /v1/models. Each is a cheap coroutine.
 ROUTER_SPARE_REQUESTS = 1000
@@ -54,15 +61,16 @@ class ServeBackend:
         self.retry_after_seconds = retry_after_seconds
         self._stream = handle.options(stream=True)
         self._healthy = 1  # until the first status answer: let Serve's own errors speak
-        self._checked_at = float("-inf")
-        self._reading: asyncio.Future[None] | None = None  # the status read that callers share
+        self._checked_at = float("-inf")  # -inf: never read, or a replica died since
+        self._deaths = 0  # replica deaths seen by calls: a read begun before one does not renew the count
+        self._reading: asyncio.Task[None] | None = None  # the status read in flight
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
         response = self._stream.generate.remote(request)
         finished = False
         try:
             outputs = aiter(response)
-            output = await self._first_output(outputs)
+            output = await self._first_output(response, outputs)
             while True:
                 finished = output.finish_reason is not None
                 yield output
@@ -81,6 +89,7 @@ class ServeBackend:
                 raise EngineDeadError(str(error.cause)) from None
             raise GenerationFailed(f"the {self.handle.deployment_name} replica failed: {error.cause!r}") from None
         except RayActorError as error:
+            self._deaths += 1
             self._checked_at = float("-inf")  # a replica is gone: the next admission counts afresh
             raise EngineDeadError(f"the {self.handle.deployment_name} replica died: {_first_line(error)}") from None
         except RayError as error:  # a crashed worker, a lost object: Ray lost the call
@@ -90,39 +99,51 @@ class ServeBackend:
             if not finished:
                 response.cancel()
 
-    async def _first_output(self, outputs: AsyncIterator[StepOutput]) -> StepOutput:
+    async def _first_output(self, response: Any, outputs: AsyncIterator[StepOutput]) -> StepOutput:
         """The call's first output. Serve holds a call that no replica can take until one can: while
-        the tier has no RUNNING replica (every one restarting, or stopping with the app), the wait
-        ends as a 503 instead, once the count says so, rather than lasting until a replacement is up
-        or the router is stopped."""
+        the call is not on a replica and the tier has no RUNNING replica (every one restarting, or
+        stopping with the app), the wait ends as a 503 instead, once the count says so, rather than
+        lasting until a replacement is up or the router is stopped. A call that a replica has taken
+        is left to it, even one that is stopping: it finishes what it took."""
         first = asyncio.ensure_future(anext(outputs))
         try:
             while not (await asyncio.wait({first}, timeout=HEALTH_CACHE_SECONDS))[0]:
-                if await self.healthy_replicas() == 0:
+                if _on_a_replica(response):
+                    return await first
+                if await self.healthy_replicas() == 0 and not first.done() and not _on_a_replica(response):
                     raise busy(f"no {self.handle.deployment_name} replica is running to take the request",
                                self.retry_after_seconds, unavailable=True)
             return first.result()
         finally:
-            first.cancel()  # a no-op once it is done
+            if not first.done():
+                first.cancel()
+                # Once the call is cancelled too (stream's finally), Ray ends the task with
+                # RequestCancelledError, not a cancellation: read, so that nothing logs it as lost.
+                first.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     async def healthy_replicas(self) -> int:
-        """The count of at most HEALTH_CACHE_SECONDS ago; every caller that finds it older waits for
-        the one read that renews it (a caller answered from the old count while the read runs
-        would refuse a tier that has just come up)."""
-        if self._reading is None and time.monotonic() - self._checked_at > HEALTH_CACHE_SECONDS:
-            self._reading = asyncio.ensure_future(self._read_healthy())
-        if self._reading is not None:
-            await asyncio.shield(self._reading)  # a caller that leaves does not cancel the others' read
+        """The count of at most HEALTH_CACHE_SECONDS ago, renewed by one read at a time. A caller
+        that the cached count would refuse (0), or that finds no count (never read, or a replica
+        died since), waits up to HEALTH_READ_WAIT_SECONDS for that read: a tier that has just come
+        up serves the burst that finds it. Others go on with the cached count meanwhile."""
+        if time.monotonic() - self._checked_at > HEALTH_CACHE_SECONDS and not self._read_in_flight():
+            self._reading = asyncio.ensure_future(self._read_healthy(self._deaths))
+        if (self._healthy == 0 or self._checked_at == float("-inf")) and self._read_in_flight():
+            with contextlib.suppress(asyncio.TimeoutError):  # a caller that leaves: the read goes on
+                await asyncio.wait_for(asyncio.shield(self._reading), HEALTH_READ_WAIT_SECONDS)
         return self._healthy
 
-    async def _read_healthy(self) -> None:
+    def _read_in_flight(self) -> bool:
+        reading = self._reading
+        return reading is not None and not reading.done() and reading.get_loop() is asyncio.get_running_loop()
+
+    async def _read_healthy(self, deaths: int) -> None:
         try:
             self._healthy = await asyncio.to_thread(self._running_replicas)
         except Exception:  # noqa: BLE001 - the controller may be restarting; keep the last count
             log.warning("could not read the replica states of %s", self.handle.deployment_name, exc_info=True)
-        finally:
+        if self._deaths == deaths:  # else the count may predate a death: the next caller reads again
             self._checked_at = time.monotonic()
-            self._reading = None
 
     def _running_replicas(self) -> int:
         """RUNNING replicas of the tier; none once its app or deployment is gone (being deleted)."""
@@ -151,6 +172,13 @@ def router_max_ongoing_requests(settings: RouterSettings) -> int:
     would hold requests that the router admits in its proxy's queue, which has no bound and answers
     no 429; the tiers are guarded by the router's own slot counts, not by this."""
     return settings.latency_capacity + settings.throughput_capacity + ROUTER_SPARE_REQUESTS
+
+
+def _on_a_replica(response: Any) -> bool:
+    """Whether Serve has assigned the call to a replica (a DeploymentResponseGenerator's assignment
+    future is done). A Ray without that attribute: taken as assigned, so that no call is given up."""
+    assignment = getattr(response, ASSIGNMENT_ATTRIBUTE, None)
+    return assignment is None or assignment.done()
 
 
 def _first_line(error: Exception) -> str:

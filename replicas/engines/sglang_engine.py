@@ -141,6 +141,7 @@ FINISH_TYPES = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort
 # A "stop" whose `matched` is this: SGLang sampled an id outside the vocabulary (NaN logits) and
 # put a stop id in its place (ScheduleBatch's vocabulary boundary check): a failure, not an end.
 NAN_MATCHED = "NaN happened"
+OUT_OF_VOCABULARY_ERROR = "SGLang sampled a token outside the vocabulary (NaN in the logits)"
 CONTEXT_MARGIN = 6  # SGLang's context_length beyond the engine's max_context (see the module's doc)
 # SGLang's switch for a context_length past its reading of the model's length
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
@@ -281,6 +282,8 @@ class OutputReader:
         first = self.delivered == 0
         self.delivered += len(new)
         reason, error = finish_of(output["meta_info"].get("finish_reason"))
+        if error == OUT_OF_VOCABULARY_ERROR:  # its last id is SGLang's stop id in place of the bad sample
+            new = new[:-1]
         steps = step_times(len(new), seconds, output["meta_info"] if first else {}, wall_time)
         stop = next((i for i, token in enumerate(new) if token in self.stop_ids), None)
         if stop is not None:  # it came before whatever SGLang reports with it (length, abort): STOP, as on TorchEngine
@@ -309,7 +312,7 @@ def finish_of(reason: Mapping[str, Any] | None) -> tuple[FinishReason | None, st
     if kind not in FINISH_TYPES:
         return FinishReason.ABORT, f"SGLang finished with an unknown reason {dict(reason)!r}"
     if kind == "stop" and reason.get("matched") == NAN_MATCHED:
-        return FinishReason.ABORT, "SGLang sampled a token outside the vocabulary (NaN in the logits)"
+        return FinishReason.ABORT, OUT_OF_VOCABULARY_ERROR
     return FINISH_TYPES[kind], reason.get("message") if kind == "abort" else None
 
 

@@ -8,7 +8,11 @@ And router replicas on the live stack's Serve: each admits its own share of the 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import gc
+import inspect
 import json
+import threading
 import time
 import urllib.request
 
@@ -16,6 +20,8 @@ import pytest
 from types import SimpleNamespace
 
 from ray.exceptions import ActorDiedError, ObjectLostError, RayTaskError, WorkerCrashedError
+from ray.serve._private.common import RequestMetadata
+from ray.serve.handle import DeploymentResponseGenerator, _DeploymentResponseBase
 
 from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.protocol import EngineDeadError, EngineError, FinishReason, GenerateRequest, StepOutput
@@ -128,71 +134,154 @@ def test_the_healthy_count_is_the_running_replicas_and_none_once_the_tier_is_gon
     assert asyncio.run(backend.healthy_replicas()) == healthy
 
 
-def test_callers_that_find_the_count_old_all_wait_for_one_read_of_it(monkeypatch):
+def running(count: int):
+    return lambda: serve_status({"megaserve": SimpleNamespace(deployments={"LatencyReplica": replicas(RUNNING=count)})})
+
+
+def test_callers_that_the_old_count_would_refuse_all_wait_for_one_read_of_it(monkeypatch):
     """A tier that has just come up: every request of a burst sees it, not only the first."""
     reads = []
 
     def status() -> SimpleNamespace:
         reads.append(time.monotonic())
         time.sleep(0.2)
-        return serve_status({"megaserve": SimpleNamespace(deployments={"LatencyReplica": replicas(RUNNING=3)})})
+        return running(3)()
 
     monkeypatch.setattr(deployment.serve, "status", status)
     backend = ServeBackend(Handle(FailingResponse(RuntimeError())), retry_after_seconds=1)
-    backend._healthy = 0  # as read while the tier was starting
+    backend._healthy, backend._checked_at = 0, time.monotonic() - HEALTH_CACHE_SECONDS - 1  # read while starting
 
     async def burst() -> list[int]:
         return await asyncio.gather(*(backend.healthy_replicas() for _ in range(8)))
 
     assert asyncio.run(burst()) == [3] * 8
     assert len(reads) == 1
-    backend._checked_at -= HEALTH_CACHE_SECONDS + 1
-    assert asyncio.run(backend.healthy_replicas()) == 3 and len(reads) == 2
+
+
+class BlockedStatus:
+    """serve.status() that answers `count` RUNNING replicas once released."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.release = threading.Event()
+        self.reads = 0
+
+    def __call__(self) -> SimpleNamespace:
+        self.reads += 1
+        self.release.wait(10)
+        return running(self.count)()
+
+
+def test_a_caller_with_a_cached_healthy_count_does_not_wait_for_the_read_that_renews_it(monkeypatch):
+    status = BlockedStatus(5)
+    monkeypatch.setattr(deployment.serve, "status", status)
+    backend = ServeBackend(Handle(FailingResponse(RuntimeError())), retry_after_seconds=1)
+    backend._healthy, backend._checked_at = 2, time.monotonic() - HEALTH_CACHE_SECONDS - 1
+
+    async def call_then_release() -> tuple[int, int]:
+        cached = await backend.healthy_replicas()  # the read is blocked: only the cached count can answer
+        status.release.set()
+        await backend._reading
+        return cached, await backend.healthy_replicas()
+
+    assert asyncio.run(call_then_release()) == (2, 5)
+    assert status.reads == 1
+
+
+def test_a_caller_that_waits_for_a_slow_read_gives_up_after_a_bound(monkeypatch):
+    monkeypatch.setattr(deployment, "HEALTH_READ_WAIT_SECONDS", 0.1)
+    status = BlockedStatus(5)
+    monkeypatch.setattr(deployment.serve, "status", status)
+    backend = ServeBackend(Handle(FailingResponse(RuntimeError())), retry_after_seconds=1)
+    backend._healthy = 0
+
+    async def call_then_release() -> int:
+        try:
+            return await asyncio.wait_for(backend.healthy_replicas(), timeout=5)  # the controller hangs
+        finally:
+            status.release.set()
+
+    assert asyncio.run(call_then_release()) == 0
+
+
+def test_a_read_begun_before_a_replica_died_does_not_renew_the_count(monkeypatch):
+    monkeypatch.setattr(deployment.serve, "status", running(1))
+    backend = ServeBackend(Handle(FailingResponse(RuntimeError())), retry_after_seconds=1)
+    before_the_death = backend._deaths
+    backend._deaths += 1  # as stream() does on RayActorError
+    asyncio.run(backend._read_healthy(before_the_death))
+    assert backend._healthy == 1 and backend._checked_at == float("-inf")  # the next caller reads again
+    asyncio.run(backend._read_healthy(backend._deaths))
+    assert backend._checked_at > float("-inf")
 
 
 class SlowResponse:
-    """A streaming response whose one output comes after `delay` seconds (never, for None)."""
+    """A streaming response whose one output comes after `delay` seconds, and whose assignment to a
+    replica is done or not, as a DeploymentResponseGenerator's."""
 
-    def __init__(self, delay: float | None) -> None:
+    def __init__(self, delay: float, assigned: bool) -> None:
         self.delay = delay
         self.cancelled = False
+        self._replica_result_future = concurrent.futures.Future()
+        if assigned:
+            self._replica_result_future.set_result(None)
 
     def __aiter__(self):
         return self._outputs()
 
     async def _outputs(self):
-        await asyncio.sleep(self.delay if self.delay is not None else 3600)
+        await asyncio.sleep(self.delay)
         yield StepOutput([5], [0.001], FinishReason.LENGTH)
 
     def cancel(self) -> None:
         self.cancelled = True
 
 
-def running(count: int):
-    return lambda: serve_status({"megaserve": SimpleNamespace(deployments={"LatencyReplica": replicas(RUNNING=count)})})
+def unassigned_call() -> DeploymentResponseGenerator:
+    """Serve's own streaming response to a call that no replica has taken (its assignment pending)."""
+    return DeploymentResponseGenerator(concurrent.futures.Future(), RequestMetadata("r", "r"),
+                                       _is_router_running_in_separate_loop=True)
+
+
+def test_ray_keeps_the_assignment_future_that_the_first_output_wait_reads():
+    init = inspect.getsource(_DeploymentResponseBase.__init__)
+    assert f"self.{deployment.ASSIGNMENT_ATTRIBUTE} = replica_result_future" in init
 
 
 def test_a_call_waiting_for_a_tier_with_no_running_replica_ends_as_a_503(monkeypatch):
     """Every replica restarting, or stopping with the app: the call is not held until one is up."""
     monkeypatch.setattr(deployment, "HEALTH_CACHE_SECONDS", 0.05)
     monkeypatch.setattr(deployment.serve, "status", running(0))
-    response = SlowResponse(None)
+    response = unassigned_call()
     backend = ServeBackend(Handle(response), retry_after_seconds=7)
+    unhandled = []
 
     async def consume() -> list[StepOutput]:
-        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context))
+        try:
+            return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
+        finally:
+            await asyncio.sleep(0.1)  # the abandoned first-output task ends
 
     with pytest.raises(APIError) as raised:
         asyncio.run(asyncio.wait_for(consume(), timeout=10))  # without the check: a TimeoutError
-    assert raised.value.status == 503 and raised.value.headers == {"Retry-After": "7"}
-    assert "no LatencyReplica replica is running" in raised.value.message
-    assert response.cancelled
+    error = raised.value
+    assert error.status == 503 and error.headers == {"Retry-After": "7"}
+    assert "no LatencyReplica replica is running" in error.message
+    assert response.cancelled()
+    del raised, error  # their traceback holds the abandoned task
+    gc.collect()  # which, if unread, reports its exception as it goes
+    # Ray ends the abandoned wait with RequestCancelledError: read, not "never retrieved"
+    assert not unhandled, unhandled
 
 
-def test_a_call_that_waits_for_its_first_output_on_a_running_tier_is_served(monkeypatch):
+@pytest.mark.parametrize("count, assigned", [(1, False), (0, True)],
+                         ids=["running tier", "call on a stopping replica"])
+def test_a_call_that_waits_for_its_first_output_is_served(monkeypatch, count, assigned):
+    """A long prefill, say; or the last calls of a replica that stops with the app, which it finishes."""
     monkeypatch.setattr(deployment, "HEALTH_CACHE_SECONDS", 0.05)
-    monkeypatch.setattr(deployment.serve, "status", running(1))
-    response = SlowResponse(0.5)  # ten health intervals: a long prefill, say
+    monkeypatch.setattr(deployment.serve, "status", running(count))
+    response = SlowResponse(0.5, assigned=assigned)  # ten health intervals
     backend = ServeBackend(Handle(response), retry_after_seconds=1)
 
     async def consume() -> list[StepOutput]:

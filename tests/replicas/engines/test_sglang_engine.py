@@ -191,6 +191,19 @@ def test_incremental_outputs_pass_through():
 
 
 @pytest.mark.parametrize("incremental", [False, True])
+def test_an_out_of_vocabulary_sample_ends_the_stream_as_a_failure_without_sglang_s_stand_in(incremental):
+    """SGLang puts a stop id (here one the reader checks itself, as under ignore_eos) where the bad
+    sample was, and reports a stop: the reader drops that id and ends with the error."""
+    reader = OutputReader(incremental, stop_ids=frozenset({2}))
+    reader.read({"output_ids": [11], "meta_info": {"finish_reason": None}}, 0.1)
+    ids = [12, 2] if incremental else [11, 12, 2]
+    chunk = reader.read({"output_ids": ids, "meta_info": {"finish_reason": {"type": "stop", "matched": "NaN happened"}}},
+                        0.2)
+    assert (chunk.token_ids, chunk.finish_reason) == ([12], FinishReason.ABORT)
+    assert "outside the vocabulary" in chunk.error
+
+
+@pytest.mark.parametrize("incremental", [False, True])
 @pytest.mark.parametrize("sglang_reason", [None, {"type": "length", "length": 4}])
 def test_the_reader_ends_at_the_first_of_its_stop_ids(incremental, sglang_reason):
     reader = OutputReader(incremental, stop_ids=frozenset({13, 14}))
