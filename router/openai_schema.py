@@ -1,15 +1,16 @@
 """The OpenAI wire format of /v1/chat/completions, /v1/completions and /v1/models.
 
-Requests are validated strictly (a string where a number belongs is an error, not a guess);
-fields OpenAI defines that megaserve does not implement, and vLLM's and SGLang's extensions it does
-not implement, are refused by name when set to anything but their neutral value (or, for a switch
+Requests are validated strictly (a string where a number belongs is an error, not a guess); fields
+OpenAI defines that megaserve does not implement, and vLLM's and SGLang's extensions it does not
+implement, are refused by name when set to anything but their neutral value (or, for a switch
 megaserve implements one way only, to anything but that way), rather than silently ignored; fields
 nobody defines are ignored, as vLLM and SGLang do (OpenAI refuses them), and the router logs their
 names, as vLLM does, so that a typo such as `max_token` shows; OpenAI's fields that change nothing
 in the output (`store`, `metadata`, ...) are ignored unlogged; a chat message's unknown fields are
-ignored too, but an assistant message's tool calls are refused as `tools` is. Extensions, as in vLLM: `top_k`, `stop_token_ids`, `ignore_eos`,
-`stream_options.continuous_usage_stats`. Responses also carry `timing` (seconds), which OpenAI's
-clients keep as an extra attribute (streams: on the usage chunk).
+ignored too, but an assistant message's tool calls are refused as `tools` is. Extensions, as in
+vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `stream_options.continuous_usage_stats`. Responses
+also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute (streams: on the
+usage chunk).
 """
 
 from __future__ import annotations
@@ -165,8 +166,9 @@ _CHAT_UNSUPPORTED_NEUTRAL: dict[str, Any] = _UNSUPPORTED_NEUTRAL | {
 class GenerationRequest(_RefusesUnsupported):
     """The sampling fields both endpoints share."""
 
-    # Unknown top-level fields are kept, so that `ignored_fields` can name them.
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    # Unknown top-level fields are kept, so that `ignored_fields` can name them (merged with
+    # _Request's configuration).
+    model_config = ConfigDict(extra="allow")
     unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL
     model: str
     max_tokens: int | None = Field(default=None, ge=1)

@@ -69,17 +69,18 @@ class Handle:
         return self.response
 
 
+async def all_outputs(backend: ServeBackend) -> list[StepOutput]:
+    return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
+
+
 @pytest.mark.parametrize("error", [WorkerCrashedError(), ObjectLostError("abc", "owner", "call site")])
 def test_a_ray_failure_of_the_call_is_a_failed_generation(error):
     response = FailingResponse(error)
     backend = ServeBackend(Handle(response), retry_after_seconds=1)
 
-    async def consume() -> list[StepOutput]:
-        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
-
     expected = f"the call to the LatencyReplica replica failed: {type(error).__name__}"
     with pytest.raises(GenerationFailed, match=expected):
-        asyncio.run(consume())
+        asyncio.run(all_outputs(backend))
     assert response.cancelled
 
 
@@ -91,11 +92,8 @@ def test_an_engine_s_own_errors_come_through_the_handle_as_themselves(engine_err
     response = FailingResponse(RayTaskError("generate", "Traceback ...", engine_error).as_instanceof_cause())
     backend = ServeBackend(Handle(response), retry_after_seconds=1)
 
-    async def consume() -> list[StepOutput]:
-        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
-
     with pytest.raises(type(engine_error)) as raised:
-        asyncio.run(consume())
+        asyncio.run(all_outputs(backend))
     assert type(raised.value) is type(engine_error) and str(raised.value) == str(engine_error)
     assert response.cancelled
 
@@ -105,11 +103,8 @@ def test_a_replica_actor_that_dies_is_a_dead_engine_and_the_tier_is_counted_agai
     backend = ServeBackend(Handle(response), retry_after_seconds=1)
     backend._checked_at = time.monotonic()  # a fresh count, as while the replica was up
 
-    async def consume() -> list[StepOutput]:
-        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
-
     with pytest.raises(EngineDeadError, match="the LatencyReplica replica died"):
-        asyncio.run(consume())
+        asyncio.run(all_outputs(backend))
     assert response.cancelled
     assert backend._checked_at == float("-inf")
 
@@ -259,7 +254,7 @@ def test_a_call_waiting_for_a_tier_with_no_running_replica_ends_as_a_503(monkeyp
     async def consume() -> list[StepOutput]:
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context))
         try:
-            return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
+            return await all_outputs(backend)
         finally:
             await asyncio.sleep(0.1)  # the abandoned first-output task ends
 
@@ -284,10 +279,7 @@ def test_a_call_that_waits_for_its_first_output_is_served(monkeypatch, count, as
     response = SlowResponse(0.5, assigned=assigned)  # ten health intervals
     backend = ServeBackend(Handle(response), retry_after_seconds=1)
 
-    async def consume() -> list[StepOutput]:
-        return [output async for output in backend.stream(GenerateRequest("r", (1, 2)))]
-
-    [output] = asyncio.run(consume())
+    [output] = asyncio.run(all_outputs(backend))
     assert output.token_ids == [5] and output.finish_reason is FinishReason.LENGTH
     assert not response.cancelled
 
