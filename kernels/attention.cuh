@@ -2,10 +2,10 @@
 //
 // Work item (g, s): KV head g (with its `group` query heads, GQA) over key positions of split s.
 // Each warp runs an online softmax over its share of the split's keys; the CTA merges its warps in
-// shared memory and writes one partial (acc[head_dim], max, sum) per query head; the CTA that
-// finishes a KV head's last split (a counter per KV head) combines all its splits into attn_out,
-// or, on shapes as small as Llama-3.2-1B (kFoldSplitsInO), every CTA folds all of them into its
-// input of the O projection after the grid barrier (fold_splits_to_shared).
+// shared memory and writes one partial (acc[head_dim], max, sum) per query head. No CTA combines
+// the splits: after the grid barrier, each CTA of the O projection folds the splits of just the
+// attention channels it multiplies (fold_channels_to_shared), so the stage ends at its partials'
+// stores, with no split counter and no combine round trips on its path.
 // The splits cover the keys of earlier steps, [0, pos). The last split's CTA also RMS-norms
 // (Qwen3), rotates and appends the new key and value to the cache, with a warp that prepares no
 // query head (or the fewest), and that warp folds the new key into its own softmax state from
@@ -19,24 +19,11 @@
 namespace megakernel {
 
 constexpr int kMaxSplits = 64;       // partial results per query head
-constexpr int kCombineChunk = 16;    // splits whose partials one combine thread loads at once
 // A split's partial of one query head, in floats: acc[head_dim], then max, sum and 2 floats of
-// padding, so that every partial starts 16 bytes aligned for fold_splits_to_shared's vector loads.
+// padding, so that every partial starts 16 bytes aligned.
 constexpr int kPartialExtraFloats = 4;
 template <class S>
 constexpr int kPartialStride = S::head_dim + kPartialExtraFloats;
-// The splits are folded in the O stage's input staging (fold_splits_to_shared) instead of by the
-// last split's CTA when every CTA's read of them is small: kFoldChunk splits of q_dim floats per L2
-// round trip, 64 KB on Llama-3.2-1B (2,048 channels; 8 splits at context 1,024); the 8B shapes'
-// 128 KB per chunk would cost more than the two round trips (the split counter, the combine's
-// loads) that folding there saves. kFoldChunk: a thread's 16-byte loads per chunk, 32 registers
-// (16 of them made 1B spill). A head's quads of channels fit in one warp, lane j of them loading
-// split j's max and sum.
-constexpr int kFoldChunk = 8;
-constexpr int kFoldInOMaxBytes = 64 * 1024;
-template <class S>
-constexpr bool kFoldSplitsInO = S::q_dim * kFoldChunk * static_cast<int>(sizeof(float)) <= kFoldInOMaxBytes &&
-                                S::head_dim / 4 <= kWarpSize && kFoldChunk <= S::head_dim / 4;
 // Shared memory for the warps' accumulators in one round of the CTA merge: 32 KB holds all 16
 // warps' at group 4 x head_dim 128 and leaves room in the 48 KB of static shared memory for q,
 // the new row, the RoPE table and the reductions; larger groups merge in more rounds.
@@ -120,7 +107,6 @@ struct AttentionShared {
       float acc[kMergeSlots][S::group][S::head_dim];
     } merge;
   };
-  int is_last_split;
 };
 
 // The step's split of the pos keys of earlier steps: `splits` splits of `chunk` keys per KV head
@@ -186,7 +172,7 @@ __device__ __forceinline__ void issue_first_block(const LayerCache& cache, int p
 template <class S>
 __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const bf16* q_norm, const bf16* k_norm,
                                 const RopeTable<S>& rope, int pos, int max_seq, float eps, float* partials,
-                                unsigned* split_counters, bf16* attn_out, AttentionShared<S>& sh) {
+                                AttentionShared<S>& sh) {
   using T = KeyTiling<S>;
   constexpr int G = S::group;
   constexpr int HD = S::head_dim;
@@ -347,89 +333,52 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
       if (d == 0) out[HD] = channel[i].max, out[HD + 1] = channel[i].sum;
     }
   }
-
-  if constexpr (kFoldSplitsInO<S>) return;  // the O stage folds the splits (fold_splits_to_shared)
-
-  // The CTA that completes KV head g's last split combines all of g's splits.
-  __syncthreads();
-  if (threadIdx.x == 0) {  // acq_rel: our partial is visible before the count, the others' after it
-    unsigned before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(split_counters + g) : "memory");
-    sh.is_last_split = before == static_cast<unsigned>(splits - 1);
-  }
-  __syncthreads();
-  if (sh.is_last_split) {
-    // A thread per output channel (h, d) folds the splits in chunks of kCombineChunk with an
-    // online softmax: every load of a chunk is issued before its first use, so up to
-    // kCombineChunk splits cost one L2 round trip.
-    for (int idx = threadIdx.x; idx < G * HD; idx += kThreads) {
-      const int h = idx / HD, d = idx % HD;
-      const float* part = partials + static_cast<size_t>(g * G + h) * kMaxSplits * kPartialStride<S>;
-      ChannelSoftmax run;
-      for (int s0 = 0; s0 < splits; s0 += kCombineChunk) {
-        float m[kCombineChunk], l[kCombineChunk], a[kCombineChunk];
-#pragma unroll
-        for (int i = 0; i < kCombineChunk; ++i) {
-          const float* split_part = part + (s0 + i) * kPartialStride<S>;
-          const bool valid = s0 + i < splits;
-          m[i] = valid ? __ldcg(split_part + HD) : kNegInf;
-          l[i] = valid ? __ldcg(split_part + HD + 1) : 0.f;
-          a[i] = valid ? __ldcg(split_part + d) : 0.f;
-        }
-        run.fold(m, l, a);
-      }
-      attn_out[(g * G + h) * HD + d] = __float2bfloat16(run.acc / run.sum);
-    }
-    if (threadIdx.x == 0) split_counters[g] = 0;
-  }
 }
 
-// out (shared, bf16 [q_dim]) = the attention output, folded from every query head's split partials
-// (kFoldSplitsInO: the grid barrier after attention has published them). A thread owns a quad of
-// 4 consecutive channels of one head; a head's head_dim / 4 quads are consecutive lanes of one
-// warp, and lane j of them loads split j's max and sum, so a chunk of kFoldChunk splits costs
-// one L2 round trip: 16-byte loads of the quad's partials of every split, 8-byte ones of the
-// lane's split's max and sum, then shuffles within the head's lanes.
+// out (shared, fp32 [rows]) = the attention output's channels [first, first + rows) of the q_dim
+// (channel c = query head c / head_dim, dim c % head_dim), each folded from its head's split
+// partials and rounded to bf16 as the reference's attention output is. kFoldLanes lanes per
+// channel, so that a round covers kThreads / kFoldLanes channels: lane i loads splits i,
+// i + kFoldLanes, ... kFoldBatch at a time (one L2 round trip for up to kFoldLanes x kFoldBatch
+// splits), folds them, and the channel's lanes then fold their states with shuffles. (A thread
+// holding 16 splits' loads at once spilled beside the O weights that the CTA prefetched at the
+// barrier.) The grid barrier after attention has published the partials.
+constexpr int kFoldLanes = 4;
+constexpr int kFoldBatch = 4;
+
 template <class S>
-__device__ __forceinline__ void fold_splits_to_shared(const float* partials, int splits, bf16* out) {
-  constexpr int kQuadsPerHead = S::head_dim / 4, kQuads = S::q_dim / 4;
-  static_assert(kFoldSplitsInO<S> && kQuads % kWarpSize == 0, "a warp's lanes own whole heads");
-  const int lane = threadIdx.x % kWarpSize, head_lane = lane % kQuadsPerHead, head_first_lane = lane - head_lane;
-  for (int quad = threadIdx.x; quad < kQuads; quad += kThreads) {  // warp-uniform: kQuads % 32 == 0
-    const float* part = partials + static_cast<size_t>(quad / kQuadsPerHead) * kMaxSplits * kPartialStride<S>;
-    float run_max = kNegInf, run_sum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < splits; s0 += kFoldChunk) {
-      float4 a[kFoldChunk];
+__device__ __forceinline__ void fold_channels_to_shared(const float* partials, int splits, int first, int rows,
+                                                        float* out) {
+  constexpr int kChannelsPerRound = kThreads / kFoldLanes;
+  const int split_lane = threadIdx.x % kFoldLanes;
+  for (int round = 0; round < rows; round += kChannelsPerRound) {  // the same trip count for every thread
+    const int t = round + static_cast<int>(threadIdx.x) / kFoldLanes, c = first + t;
+    const float* part = partials + static_cast<size_t>(c / S::head_dim) * kMaxSplits * kPartialStride<S>;
+    ChannelSoftmax run;
+    for (int s0 = 0; t < rows && s0 < splits; s0 += kFoldLanes * kFoldBatch) {
+      float m[kFoldBatch], l[kFoldBatch], a[kFoldBatch];
 #pragma unroll
-      for (int i = 0; i < kFoldChunk; ++i)
-        a[i] = s0 + i < splits ? __ldcg(reinterpret_cast<const float4*>(part + (s0 + i) * kPartialStride<S>) + head_lane)
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
-      const bool loads_split = head_lane < kFoldChunk && s0 + head_lane < splits;
-      const float2 max_sum = loads_split ? __ldcg(reinterpret_cast<const float2*>(
-                                               part + (s0 + head_lane) * kPartialStride<S> + S::head_dim))
-                                         : make_float2(kNegInf, 0.f);
-      float chunk_max = fmaxf(run_max, max_sum.x);  // finite: split s0 has a key
-#pragma unroll
-      for (int offset = kQuadsPerHead / 2; offset > 0; offset /= 2)
-        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(kFullMask, chunk_max, offset));
-      const float weight = loads_split ? exp2f(max_sum.x - chunk_max) : 0.f;
-      float weighted_sum = max_sum.y * weight;
-#pragma unroll
-      for (int offset = kQuadsPerHead / 2; offset > 0; offset /= 2)
-        weighted_sum += __shfl_xor_sync(kFullMask, weighted_sum, offset);
-      const float rescale = run_max == kNegInf ? 0.f : exp2f(run_max - chunk_max);
-      run_sum = fmaf(run_sum, rescale, weighted_sum);
-      acc = make_float4(acc.x * rescale, acc.y * rescale, acc.z * rescale, acc.w * rescale);
-#pragma unroll
-      for (int i = 0; i < kFoldChunk; ++i) {
-        const float w = __shfl_sync(kFullMask, weight, head_first_lane + i);
-        acc = make_float4(fmaf(w, a[i].x, acc.x), fmaf(w, a[i].y, acc.y), fmaf(w, a[i].z, acc.z), fmaf(w, a[i].w, acc.w));
+      for (int j = 0; j < kFoldBatch; ++j) {
+        const int s = s0 + j * kFoldLanes + split_lane;
+        const float* split_part = part + s * kPartialStride<S>;
+        m[j] = s < splits ? __ldcg(split_part + S::head_dim) : kNegInf;
+        l[j] = s < splits ? __ldcg(split_part + S::head_dim + 1) : 0.f;
+        a[j] = s < splits ? __ldcg(split_part + c % S::head_dim) : 0.f;
       }
-      run_max = chunk_max;
+      run.fold(m, l, a);
     }
-    reinterpret_cast<uint2*>(out)[quad] = make_uint2(float2_to_bf16x2(acc.x / run_sum, acc.y / run_sum),
-                                                      float2_to_bf16x2(acc.z / run_sum, acc.w / run_sum));
+    float channel_max = run.max;
+#pragma unroll
+    for (int offset = kFoldLanes / 2; offset > 0; offset /= 2)
+      channel_max = fmaxf(channel_max, __shfl_xor_sync(kFullMask, channel_max, offset));
+    const float weight = run.max == kNegInf ? 0.f : exp2f(run.max - channel_max);
+    float sum = run.sum * weight, acc = run.acc * weight;
+#pragma unroll
+    for (int offset = kFoldLanes / 2; offset > 0; offset /= 2) {
+      sum += __shfl_xor_sync(kFullMask, sum, offset);
+      acc += __shfl_xor_sync(kFullMask, acc, offset);
+    }
+    if (t < rows && split_lane == 0) out[t] = bf16_round(acc / sum);
   }
   __syncthreads();
 }

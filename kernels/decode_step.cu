@@ -4,13 +4,14 @@
 // Per layer, four stages separated by grid barriers (every stage needs all of the previous one),
 // except that attention on a KV head waits only for that head's q, k and v rows (HeadRows):
 //   1. residual + down, RMSNorm (recomputed per CTA into shared memory) + QKV GEMV -> qkv
-//   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention + combine       -> attn_out
-//      (kFoldSplitsInO shapes: the splits' partials, which stage 3 folds as it stages its input)
+//   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention                -> partials
 //      (RoPE's cos/sin are computed once per step into shared memory: the same for every layer)
-//   3. O-proj GEMV + residual + down                                              -> hidden
-//   4. RMSNorm + gate/up GEMV + SiLU * up of the CTA's slice of the intermediate rows (in shared
-//      memory), then down over that slice: fp32 sums over the CTAs                -> down_sums
-//      (the next layer's stages 1 and 3 add them to the residual stream)
+//   3. the CTA's slice of the attention channels, folded from the splits' partials, then O over
+//      that slice (O's weight transposed): fp32 sums over the CTAs                  -> o_sums
+//   4. residual + down + O (each CTA writes its slice of the new residual stream, hidden), RMSNorm
+//      + gate/up GEMV + SiLU * up of the CTA's slice of the intermediate rows (in shared memory),
+//      then down over that slice: fp32 sums over the CTAs                         -> down_sums
+//      (the next layer's stages 1 and 4 add them to the residual stream)
 // then final RMSNorm + LM head (logits out, for a sampler) + argmax: block partials, and the last
 // CTA to finish reduces them and advances the step state. Position and input token are read from
 // device memory, so one captured CUDA graph of this launch replays for every step.
@@ -52,11 +53,9 @@ struct ModelShape {
 // Step state in device memory (int32 each).
 enum StateSlot { kStateToken = 0, kStatePos = 1, kStateArgmax = 2, kStateSlots = 4 };
 // Counters in device memory (uint32, zero-initialised once): the grid barrier, the argmax's count,
-// attention's split counts (one per KV head), then the counts of CTAs that have written each KV
-// head's QKV rows (kCounterHeadRows, one per KV head; zeroed by the step's last CTA).
-enum CounterSlot { kCounterBarrier = 0, kCounterArgmaxDone = 1, kCounterSplits = 2 };
-template <class S>
-constexpr int kCounterHeadRows = kCounterSplits + S::kv_heads;
+// then the counts of CTAs that have written each KV head's QKV rows (one per KV head; zeroed by
+// the step's last CTA).
+enum CounterSlot { kCounterBarrier = 0, kCounterArgmaxDone = 1, kCounterHeadRows = 2 };
 
 // One layer's weights (row-major bf16) and KV cache row, as a table in device memory.
 struct LayerWeights {
@@ -66,7 +65,7 @@ struct LayerWeights {
   const bf16* wv;         // [kv_heads * head_dim, H]
   const bf16* q_norm;     // [head_dim] (Qwen3) or null
   const bf16* k_norm;     // [head_dim] (Qwen3) or null
-  const bf16* wo;         // [H, heads * head_dim]
+  const bf16* wo_t;       // [heads * head_dim, H]: the O projection's weight, transposed
   const bf16* mlp_norm;   // [H]
   const bf16* w_gate;     // [I, H]
   const bf16* w_up;       // [I, H]
@@ -142,15 +141,6 @@ template <class S>
 constexpr bool kQkvByRows = S::hidden % (2 * kVecElems * kWarpSize * kLoadsInFlight) == 0;
 
 template <class S>
-struct OProjRows {
-  const bf16* wo;
-  __device__ RowPair operator()(int p) const {
-    const bf16* base = wo + static_cast<size_t>(2 * p) * S::q_dim;
-    return RowPair{base, base + S::q_dim};
-  }
-};
-
-template <class S>
 struct GateUpRows {  // pair i = (gate row i, up row i): one warp produces SiLU(gate) * up at once
   LayerWeights w;
   __device__ RowPair operator()(int i) const {
@@ -159,24 +149,53 @@ struct GateUpRows {  // pair i = (gate row i, up row i): one warp produces SiLU(
   }
 };
 
-// The MLP's intermediate rows are split over the CTAs in contiguous slices, [c * I / grid,
-// (c + 1) * I / grid) for CTA c; a slice's activations stay in shared memory, sized for a grid of
-// at least kMinCtas (the launcher checks). (Recomputed where needed: a value kept live through
-// attention costs a register there.)
+// The inputs of the two transposed GEMVs - O's attention channels (q_dim) and the MLP's
+// intermediate rows - are split over the CTAs in contiguous slices (cta_slice); a slice's inputs
+// stay in shared memory, sized for a grid of at least kMinCtas (the launcher checks). (Slices are
+// recomputed where needed: a value kept live through attention costs a register there.)
 constexpr int kMinCtas = 96;
-constexpr int kMlpRowsAlign = 4;  // a 16-byte multiple of floats: no padding after the array
-template <class S>
-constexpr int kMaxMlpRowsPerCta =
-    ((S::intermediate + kMinCtas - 1) / kMinCtas + kMlpRowsAlign - 1) / kMlpRowsAlign * kMlpRowsAlign;
+constexpr int kSliceRowsAlign = 4;  // a 16-byte multiple of floats: no padding after the array
 
-struct MlpSlice {
-  int first, rows;
+// O's output columns are split in kOColumnGroups groups of whole 16-byte vectors per warp (4 where
+// hidden allows): CTA c adds to group c % groups, over a slice of the q_dim channels shared with
+// the other CTAs of its group. Each output then takes a vector atomic from grid / groups CTAs, not
+// from all of them: the CTAs end O within a microsecond of each other, and their atomics, all at
+// once, queued at L2 behind the grid barrier's fence.
+template <class S>
+constexpr int kOColumnGroups = S::hidden % (4 * kWarps * kVecElems) == 0   ? 4
+                               : S::hidden % (2 * kWarps * kVecElems) == 0 ? 2
+                                                                           : 1;
+struct OTile {
+  CtaSlice channels;  // rows of wo_t
+  int column;         // the first output column of the CTA's group
 };
 
 template <class S>
-__device__ __forceinline__ MlpSlice mlp_slice() {
-  const int first = static_cast<int>(blockIdx.x * S::intermediate / gridDim.x);
-  return MlpSlice{first, static_cast<int>((blockIdx.x + 1) * S::intermediate / gridDim.x) - first};
+__device__ __forceinline__ OTile o_tile() {
+  constexpr int kGroups = kOColumnGroups<S>;
+  const int group = blockIdx.x % kGroups, index = blockIdx.x / kGroups;
+  const int count = (static_cast<int>(gridDim.x) - group + kGroups - 1) / kGroups;  // the group's CTAs
+  const int first = index * S::q_dim / count;
+  return OTile{CtaSlice{first, (index + 1) * S::q_dim / count - first}, group * (S::hidden / kGroups)};
+}
+
+template <class S>
+constexpr int kSlicedInputs =
+    S::intermediate > S::q_dim * kOColumnGroups<S> ? S::intermediate : S::q_dim * kOColumnGroups<S>;
+template <class S>
+constexpr int kMaxSliceRows =
+    ((kSlicedInputs<S> + kMinCtas - 1) / kMinCtas + kSliceRowsAlign - 1) / kSliceRowsAlign * kSliceRowsAlign;
+
+// Warps per CTA that load their first chunk of O's rows at the barrier after attention: all of
+// them where that chunk is the CTA's whole share of O (Llama-3.2-1B on 132 SMs: 62 rows of 64),
+// so that after the barrier O waits for nothing but the fold (measured on H200, run 82: 1B 1.3-2.1%
+// faster than with half); half of them where O has more chunks, as before the other GEMVs
+// (prefetch_weights): all 16 warps' chunks, 8.4 MB over the grid, reach HBM as one burst that
+// the barrier's polls queue behind (the 8B shapes 0.2-1.6% slower with all 16).
+template <class S>
+__device__ __forceinline__ int o_ahead_warps(const OTile& tile) {
+  return tile.channels.rows <= TransposedTiling<S::hidden / kOColumnGroups<S>>::kRowsPerChunk ? kWarps
+                                                                                              : kPrefetchWarps;
 }
 
 template <class S>
@@ -184,12 +203,6 @@ struct GateUpSliceRows {  // pair p = the slice's gate and up row p
   LayerWeights w;
   int first;
   __device__ RowPair operator()(int p) const { return GateUpRows<S>{w}(first + p); }
-};
-
-// A row pair's residual and the previous layer's down sums, loaded before O's dot product.
-struct ResidualAndProjection {
-  __nv_bfloat162 residual;
-  float2 down;
 };
 
 template <class S>
@@ -207,20 +220,12 @@ struct SharedStorage {
     alignas(16) bf16 x[S::max_input];  // the GEMV input vector of the current stage
     AttentionShared<S> attention;
   };
-  float act[kMaxMlpRowsPerCta<S>];  // SiLU(gate) * up of the CTA's intermediate rows
+  float slice_in[kMaxSliceRows<S>];  // a transposed GEMV's inputs: O's attention channels, SiLU(gate) * up
   RopeTable<S> rope;
   float reduce[kWarps];
   unsigned long long best[kWarps];
   float2 split_sums[kWarps];  // per-warp partial dots of a row pair shared by warps (gemv_row_pairs)
 };
-
-// Warps per CTA that prefetch the O projection's first chunks at the barrier after attention: all
-// of them where O folds the attention splits (kFoldSplitsInO), since attention's arrival tail is
-// short there (1 µs per layer on Llama-3.2-1B) and O's weights would land after the barrier (run 50:
-// 1B 0.7-1.5% faster); kPrefetchWarps elsewhere, where a larger burst meets the last attention CTAs'
-// round trips (8B shapes 0.1-0.7% slower with all 16).
-template <class S>
-constexpr int kAheadWarpsBeforeO = kFoldSplitsInO<S> ? kWarps : kPrefetchWarps;
 
 // The QKV rows that prefetch_qkv leaves in HBM are fetched into L2 by the TMA (prefetch_rest_to_l2)
 // at the MLP's closing barrier, while the MLP's last CTAs leave HBM partly idle, on shapes whose
@@ -249,11 +254,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     decode_step(const LayerWeights* __restrict__ layers, const bf16* __restrict__ embed,
                 const bf16* __restrict__ final_norm, const bf16* __restrict__ lm_head,
                 const float* __restrict__ rope_inv_freq, int* state, unsigned* counters, bf16* hidden, bf16* qkv,
-                bf16* attn_out, float* down_sums, float* attn_partials, float* logits,
+                float* projection_sums, float* attn_partials, float* logits,
                 unsigned long long* argmax_partials, unsigned long long* stage_stamps, float rms_eps, int max_seq,
                 int greedy) {
   static_assert(sizeof(SharedStorage<S>) <= kStaticSharedLimit, "shape needs more than 48 KB of shared memory");
-  constexpr int kHeadPairs = HeadRows<S>::kRows / 2, kOPairs = S::hidden / 2, kLmHeadPairs = (S::vocab + 1) / 2;
+  constexpr int kHeadPairs = HeadRows<S>::kRows / 2, kLmHeadPairs = (S::vocab + 1) / 2;
   __shared__ SharedStorage<S> sh;
   // stage_stamps: kStamps stamps of CTA 0, then kBarriers x grid arrivals (see StageTimer)
   constexpr int kBarriers = kStagesPerLayer * S::layers, kStamps = kBarriers + 2;
@@ -265,16 +270,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
   sh.rope.fill(rope_inv_freq, pos);  // published by layer 0's RMSNorm's __syncthreads
   unsigned* barrier = counters + kCounterBarrier;
-  unsigned* head_rows_done = counters + kCounterHeadRows<S>;
+  unsigned* head_rows_done = counters + kCounterHeadRows;
   const HeadRows<S> head_rows = HeadRows<S>::of_this_cta();
-  // down_sums: [3][hidden] fp32: zeros (layer 0's previous down), then layer l's down sums in
-  // buffer 1 + l % 2, zeroed by every CTA (a slice each) in layer l's O stage: after the grid
-  // barrier that ends their last reads (layer l - 1's O stage) and before the one in front of
-  // layer l's MLP stage, whose CTAs add to them.
-  const auto down_sums_of = [&](int layer) { return down_sums + (1 + layer % 2) * S::hidden; };
-  // The residual stream before layer l is residual + bf16(previous_down_of(l)): layer 0 reads the
-  // embedding in place and adds zeros.
-  const auto previous_down_of = [&](int l) -> const float* { return l == 0 ? down_sums : down_sums_of(l - 1); };
+  // projection_sums: [4][hidden] fp32: zeros (layer 0's previous down), layer l's down sums in
+  // row 1 + l % 2, then the current layer's O sums. Each CTA zeroes a slice of a row before the
+  // stage that adds to it and after the grid barrier that ends the reads of the values before: a
+  // layer's down row in its O stage (its last reads, as the previous down, were in the layer
+  // before's MLP stage), the O row in the QKV stage (read last in the layer before's MLP stage).
+  const auto down_sums_of = [&](int layer) { return projection_sums + (1 + layer % 2) * S::hidden; };
+  const auto previous_down_of = [&](int l) -> const float* { return l == 0 ? projection_sums : down_sums_of(l - 1); };
+  float* o_sums = projection_sums + 3 * S::hidden;
+  const auto zero_slice = [&](float* sums) {
+    for (int i = blockIdx.x * kThreads + threadIdx.x; i < S::hidden; i += gridDim.x * kThreads) sums[i] = 0.f;
+  };
+  // hidden: [2][hidden] bf16, the residual stream after layer l's attention in row l % 2, written
+  // by layer l's MLP stage (each CTA its slice) while every CTA reads the row of layer l - 1; the
+  // stream before layer l is that row plus bf16(previous_down_of(l)) (layer 0: the embedding).
+  constexpr int kOColumns = S::hidden / kOColumnGroups<S>;
+  const auto o_rows_of = [](const LayerWeights& w, OTile tile) {
+    return w.wo_t + static_cast<size_t>(tile.channels.first) * S::hidden + tile.column;
+  };
+  const auto residual_of = [&](int l) -> const bf16* { return l == 0 ? embed_row : hidden + ((l - 1) % 2) * S::hidden; };
   // Each GEMV's first weight chunk per warp, loaded between arriving at the grid barrier before the
   // GEMV and waiting on it (layer 0's QKV: before its RMSNorm).
   const auto prefetch_qkv = [&](const LayerWeights& w) {
@@ -293,10 +309,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int l = 0; l < S::layers; ++l) {
     const LayerWeights w = layers[l];
-    const bf16* residual = l == 0 ? embed_row : hidden;
 
-    rms_norm_to_shared<S::hidden>(ResidualPlusProjection{residual, previous_down_of(l)}, w.attn_norm, rms_eps, sh.x,
-                                  sh.reduce);
+    rms_norm_to_shared<S::hidden>(ResidualPlusProjections<1>{residual_of(l), {previous_down_of(l)}}, w.attn_norm, rms_eps,
+                                  sh.x, sh.reduce);
     if constexpr (kQkvByRows<S>)
       gemv_row_pairs<S::hidden / 2>(HeadRows<S>::kRows, head_rows.ctas, sh.x, QkvRowHalves<S>{w, head_rows},
                                     sh.split_sums, ahead, [&](int r, float d0, float d1) {
@@ -307,6 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 [&](int p, float d0, float d1) {
         reinterpret_cast<__nv_bfloat162*>(qkv)[head_rows.stacked(2 * p) / 2] = __floats2bfloat162_rn(d0, d1);
       });
+    zero_slice(o_sums);
     const LayerCache cache{w.k_cache, w.v_cache};
     timer.arrive();
     if (head_rows.computes_rows()) publish_and_add(head_rows_done + head_rows.head, 1u);
@@ -324,49 +340,40 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     timer.mark();
 
-    attention_stage<S>(qkv, cache, w.q_norm, w.k_norm, sh.rope, pos, max_seq, rms_eps, attn_partials,
-                       counters + kCounterSplits, attn_out, sh.attention);
+    attention_stage<S>(qkv, cache, w.q_norm, w.k_norm, sh.rope, pos, max_seq, rms_eps, attn_partials, sh.attention);
     end_stage(timer, barrier, [&] {
-      ahead = prefetch_weights<S::q_dim, kAheadWarpsBeforeO<S>>(kOPairs, whole_grid(), OProjRows<S>{w.wo});
+      const OTile tile = o_tile<S>();
+      ahead = prefetch_transposed<kOColumns, S::hidden>(o_rows_of(w, tile), tile.channels.rows, o_ahead_warps<S>(tile));
     });
 
-    if constexpr (kFoldSplitsInO<S>)
-      fold_splits_to_shared<S>(attn_partials, key_splits<S>(pos).splits, sh.x);
-    else
-      stage_to_shared<S::q_dim>(attn_out, sh.x);
-    // The residual (with the previous layer's down added exactly as the QKV RMSNorm did) plus O.
-    const float* previous_down = previous_down_of(l);
-    const auto residual_and_down = [&](int p) {
-      return ResidualAndProjection{__ldcg(reinterpret_cast<const __nv_bfloat162*>(residual) + p),
-                                   __ldcg(reinterpret_cast<const float2*>(previous_down) + p)};
-    };
-    gemv_row_pairs<S::q_dim, kAheadWarpsBeforeO<S>>(kOPairs, whole_grid(), sh.x, OProjRows<S>{w.wo}, sh.split_sums,
-                                                    ahead, residual_and_down,
-                                                    [&](int p, float d0, float d1, ResidualAndProjection in) {
-      const float2 res = __bfloat1622float2(in.residual);
-      const float h0 = add_projection(res.x, in.down.x), h1 = add_projection(res.y, in.down.y);
-      reinterpret_cast<__nv_bfloat162*>(hidden)[p] = __floats2bfloat162_rn(h0 + bf16_round(d0), h1 + bf16_round(d1));
-    });
-    float* layer_down = down_sums_of(l);  // zeroed for this layer's MLP (see down_sums above)
-    for (int i = blockIdx.x * kThreads + threadIdx.x; i < S::hidden; i += gridDim.x * kThreads) layer_down[i] = 0.f;
+    // O over the CTA's slice of the attention channels, folded from the splits' partials.
+    const OTile tile = o_tile<S>();
+    fold_channels_to_shared<S>(attn_partials, key_splits<S>(pos).splits, tile.channels.first, tile.channels.rows,
+                               sh.slice_in);
+    gemv_transposed_rows<kOColumns, S::hidden>(o_rows_of(w, tile), tile.channels.rows, sh.slice_in, ahead,
+                                               o_sums + tile.column, o_ahead_warps<S>(tile));
+    zero_slice(down_sums_of(l));
     end_stage(timer, barrier, [&] {
-      const MlpSlice slice = mlp_slice<S>();
+      const CtaSlice slice = cta_slice<S::intermediate>();
       ahead = prefetch_weights<S::hidden>(slice.rows, CtaRange{0, 1}, GateUpSliceRows<S>{w, slice.first});
     });
 
-    // The CTA's slice of the MLP: gate/up rows into shared memory, then down over them.
-    rms_norm_to_shared<S::hidden>(Activations{hidden}, w.mlp_norm, rms_eps, sh.x, sh.reduce);
-    const MlpSlice slice = mlp_slice<S>();
+    // The residual stream after attention (each CTA writes its slice of it), RMS-normed; then the
+    // CTA's slice of the MLP: gate/up rows into shared memory, then down over them.
+    bf16* attended = hidden + (l % 2) * S::hidden;
+    rms_norm_to_shared<S::hidden>(ResidualPlusProjections<2>{residual_of(l), {previous_down_of(l), o_sums}}, w.mlp_norm,
+                                  rms_eps, sh.x, sh.reduce, KeepSlice{attended, cta_slice<S::hidden / kVecElems>()});
+    const CtaSlice slice = cta_slice<S::intermediate>();
     gemv_row_pairs<S::hidden>(slice.rows, CtaRange{0, 1}, sh.x, GateUpSliceRows<S>{w, slice.first}, sh.split_sums, ahead,
                               [&](int i, float gate, float up) {
       const float g = bf16_round(gate);
       const float silu = bf16_round(g / (1.f + __expf(-g)));
-      sh.act[i] = bf16_round(silu * bf16_round(up));
+      sh.slice_in[i] = bf16_round(silu * bf16_round(up));
     });
     const bf16* down_rows = w.w_down_t + static_cast<size_t>(slice.first) * S::hidden;
     ahead = prefetch_transposed<S::hidden>(down_rows, slice.rows);
-    __syncthreads();  // sh.act is complete
-    gemv_transposed_rows<S::hidden>(down_rows, slice.rows, sh.act, ahead, down_sums_of(l));
+    __syncthreads();  // sh.slice_in is complete
+    gemv_transposed_rows<S::hidden>(down_rows, slice.rows, sh.slice_in, ahead, down_sums_of(l));
     end_stage(timer, barrier, [&] {
       if (l + 1 < S::layers) {
         ahead = prefetch_qkv(layers[l + 1]);
@@ -378,8 +385,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Final norm + LM head; logits rounded to bf16 as the reference's bf16 matmul does, so that the
   // argmax (first maximum on ties) matches it.
-  rms_norm_to_shared<S::hidden>(ResidualPlusProjection{hidden, down_sums_of(S::layers - 1)}, final_norm, rms_eps,
-                                sh.x, sh.reduce);
+  rms_norm_to_shared<S::hidden>(ResidualPlusProjections<1>{residual_of(S::layers), {down_sums_of(S::layers - 1)}},
+                                final_norm, rms_eps, sh.x, sh.reduce);
   unsigned long long best = 0;
   gemv_row_pairs<S::hidden>(kLmHeadPairs, whole_grid(), sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, ahead,
                             [&](int p, float d0, float d1) {

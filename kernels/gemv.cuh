@@ -20,53 +20,74 @@ struct RowPair {
   int x1_offset = 0;  // in 16-byte vectors of x
 };
 
-// out (shared, bf16 [N]) = x (global, bf16 [N]) staged as is.
-template <int N>
-__device__ __forceinline__ void stage_to_shared(const bf16* x, bf16* out) {
-  static_assert(N % kVecElems == 0, "vector length must be a multiple of 8");
-  for (int i = threadIdx.x; i < N / kVecElems; i += kThreads)
-    reinterpret_cast<uint4*>(out)[i] = load_activations16(x + i * kVecElems);
-  __syncthreads();
-}
-
-// The 16-byte vectors of an activation vector written by other CTAs: vector i = elements [8i, 8i + 8).
-struct Activations {
-  const bf16* x;
-  __device__ uint4 operator()(int i) const { return load_activations16(x + i * kVecElems); }
+// This CTA's contiguous slice of N items, [c * N / grid, (c + 1) * N / grid) for CTA c.
+struct CtaSlice {
+  int first, rows;
 };
 
-// The residual stream after a projection, bf16(residual + bf16(projection)), as Hugging Face rounds
-// the projection and then the sum: the down projection arrives as fp32 sums that every CTA added
-// its share to (gemv_transposed_rows).
+template <int N>
+__device__ __forceinline__ CtaSlice cta_slice() {
+  const int first = static_cast<int>(blockIdx.x * N / gridDim.x);
+  return CtaSlice{first, static_cast<int>((blockIdx.x + 1) * N / gridDim.x) - first};
+}
+
+// The residual stream after kProjections projections, in order: bf16(bf16(residual +
+// bf16(p0)) + bf16(p1)), as Hugging Face rounds each projection and then each sum. The
+// projections arrive as fp32 sums that every CTA added its share to (gemv_transposed_rows):
+// down's, then O's. Vector i = elements [8i, 8i + 8).
 __device__ __forceinline__ float add_projection(float residual, float projection) {
   return bf16_round(residual + bf16_round(projection));
 }
 
-struct ResidualPlusProjection {
+template <int kProjections>
+struct ResidualPlusProjections {
   const bf16* residual;
-  const float* sums;
+  const float* sums[kProjections];
   __device__ uint4 operator()(int i) const {
     const uint4 r = load_activations16(residual + i * kVecElems);
-    const float4 lo = __ldcg(reinterpret_cast<const float4*>(sums) + 2 * i);
-    const float4 hi = __ldcg(reinterpret_cast<const float4*>(sums) + 2 * i + 1);
-    const float o[kVecElems] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float4 lo[kProjections], hi[kProjections];
+#pragma unroll
+    for (int p = 0; p < kProjections; ++p) {  // every load issued before the first add
+      lo[p] = __ldcg(reinterpret_cast<const float4*>(sums[p]) + 2 * i);
+      hi[p] = __ldcg(reinterpret_cast<const float4*>(sums[p]) + 2 * i + 1);
+    }
     unsigned sum[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 f = bf16x2_to_float2(word(r, j));
-      sum[j] = float2_to_bf16x2(add_projection(f.x, o[2 * j]), add_projection(f.y, o[2 * j + 1]));
+      float2 f = bf16x2_to_float2(word(r, j));
+#pragma unroll
+      for (int p = 0; p < kProjections; ++p) {
+        const float o[kVecElems] = {lo[p].x, lo[p].y, lo[p].z, lo[p].w, hi[p].x, hi[p].y, hi[p].z, hi[p].w};
+        f = make_float2(add_projection(f.x, o[2 * j]), add_projection(f.y, o[2 * j + 1]));
+      }
+      sum[j] = float2_to_bf16x2(f.x, f.y);
     }
     return make_uint4(sum[0], sum[1], sum[2], sum[3]);
   }
 };
 
+// What rms_norm_to_shared does with its input vectors besides norming them: nothing, or (KeepSlice)
+// store the vectors [slice.first, slice.first + slice.rows) to out, this CTA's slice of a vector
+// that the next stages read whole.
+struct DropInput {
+  __device__ void operator()(int, const uint4&) const {}
+};
+
+struct KeepSlice {
+  bf16* out;
+  CtaSlice slice;  // in 16-byte vectors
+  __device__ void operator()(int i, const uint4& v) const {
+    if (i >= slice.first && i < slice.first + slice.rows) reinterpret_cast<uint4*>(out)[i] = v;
+  }
+};
+
 // out (shared, bf16 [N]) = weight * bf16(x * rsqrt(mean(x^2) + eps)), Hugging Face's RMSNorm:
 // statistics in fp32, the normalised value rounded to bf16 before the weight multiplies it. x(i)
-// loads x's 16-byte vector i (Activations, ResidualPlusProjection); x and the weight are both
-// loaded before the reduction, so the stage pays one load latency, not two.
-template <int N, class Vectors>
+// loads x's 16-byte vector i (ResidualPlusProjections), which keep(i, vector) may also store; x
+// and the weight are both loaded before the reduction, so the stage pays one load latency, not two.
+template <int N, class Vectors, class Keep = DropInput>
 __device__ __forceinline__ void rms_norm_to_shared(Vectors x, const bf16* weight, float eps, bf16* out,
-                                                   float* scratch) {
+                                                   float* scratch, Keep keep = {}) {
   static_assert(N % kVecElems == 0, "vector length must be a multiple of 8");
   constexpr int kVecs = N / kVecElems;
   constexpr int kPerThread = (kVecs + kThreads - 1) / kThreads;
@@ -79,6 +100,7 @@ __device__ __forceinline__ void rms_norm_to_shared(Vectors x, const bf16* weight
     if (i < kVecs) {
       xs[k] = x(i);
       ws[k] = __ldg(reinterpret_cast<const uint4*>(weight) + i);
+      keep(i, xs[k]);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -303,8 +325,9 @@ struct TransposedTiling {
 };
 
 // Chunk c of the rows (rows [c * kRowsPerChunk, (c + 1) * kRowsPerChunk)), this lane's loads: load
-// u is row group u / kVecsPerLane, the lane's vector u % kVecsPerLane of that row.
-template <int N>
+// u is row group u / kVecsPerLane, the lane's vector u % kVecsPerLane of that row. Rows are
+// kRowStride elements apart (N, or the whole row where the CTA adds to N of its columns).
+template <int N, int kRowStride = N>
 __device__ __forceinline__ void load_transposed_chunk(const bf16* wt, int rows, int c, WeightChunk& chunk) {
   using T = TransposedTiling<N>;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -315,31 +338,35 @@ __device__ __forceinline__ void load_transposed_chunk(const bf16* wt, int rows, 
     const int vec = lane % T::kLanesPerRow + (u % T::kVecsPerLane) * T::kLanesPerRow;
     chunk.load(u) = make_uint4(0, 0, 0, 0);
     if (row < rows && vec < T::kSlabVecs)
-      chunk.load(u) = load_weights16(wt + static_cast<size_t>(row) * N + (warp * T::kSlabVecs + vec) * kVecElems);
+      chunk.load(u) = load_weights16(wt + static_cast<size_t>(row) * kRowStride + (warp * T::kSlabVecs + vec) * kVecElems);
   }
 }
 
-// The first chunk, loaded before x is ready (weights never depend on activations).
-template <int N>
-__device__ __forceinline__ WeightChunk prefetch_transposed(const bf16* wt, int rows) {
+// The first chunk, loaded before x is ready (weights never depend on activations), by the CTA's
+// first ahead_warps warps (the others load theirs in gemv_transposed_rows, which takes the same
+// count).
+template <int N, int kRowStride = N>
+__device__ __forceinline__ WeightChunk prefetch_transposed(const bf16* wt, int rows, int ahead_warps = kWarps) {
   WeightChunk chunk;
-  load_transposed_chunk<N>(wt, rows, 0, chunk);
+  const bool prefetches = static_cast<int>(threadIdx.x) / kWarpSize < ahead_warps;
+  load_transposed_chunk<N, kRowStride>(wt, prefetches ? rows : 0, 0, chunk);
   return chunk;
 }
 
-template <int N>
+template <int N, int kRowStride = N>
 __device__ __forceinline__ void gemv_transposed_rows(const bf16* wt, int rows, const float* x,
-                                                     const WeightChunk& ahead, float* sums) {
+                                                     const WeightChunk& ahead, float* sums,
+                                                     int ahead_warps = kWarps) {
   using T = TransposedTiling<N>;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   float acc[T::kVecsPerLane][kVecElems] = {};
   const int chunks = (rows + T::kRowsPerChunk - 1) / T::kRowsPerChunk;
   for (int c = 0; c < chunks; ++c) {
     WeightChunk chunk;
-    if (c == 0)
+    if (c == 0 && warp < ahead_warps)
       chunk = ahead;
     else
-      load_transposed_chunk<N>(wt, rows, c, chunk);
+      load_transposed_chunk<N, kRowStride>(wt, rows, c, chunk);
 #pragma unroll
     for (int group = 0; group < T::kRowGroups; ++group) {
       const int row = c * T::kRowsPerChunk + group * T::kRowsPerLoad + lane / T::kLanesPerRow;

@@ -27,8 +27,9 @@ from .shape import MAX_SPLITS, PARTIAL_EXTRA_FLOATS, THREADS, KernelShape
 
 # decode_step.cu's enums and constants, mirrored.
 STATE_TOKEN, STATE_POS, STATE_ARGMAX, STATE_SLOTS = 0, 1, 2, 4
-COUNTER_SPLITS = 2  # counters: barrier, argmax-done, then two per KV head (split count, QKV rows done)
-COUNTERS_PER_KV_HEAD = 2
+COUNTER_HEAD_ROWS = 2  # counters: barrier, argmax-done, then one per KV head (its QKV rows done)
+PROJECTION_SUMS_ROWS = 4  # zeros, the down sums of even and odd layers, the O sums
+RESIDUAL_ROWS = 2  # the residual stream after attention, of even and odd layers
 STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "mlp")
 FINAL_STAGE = "lm_head"
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -36,7 +37,7 @@ KERNEL_DTYPE = torch.bfloat16
 LATE_SHARE = 0.1  # StageTimes.late_repeat follows the latest tenth of the grid at each barrier
 
 
-class DecodeLayer(Protocol):  # w_down stored transposed: see store_down_transposed
+class DecodeLayer(Protocol):  # wo and w_down stored transposed: see store_transposed
     attn_norm: torch.Tensor
     wq: torch.Tensor
     wk: torch.Tensor
@@ -126,7 +127,7 @@ class StageTimes:
 
 class DecodeStep:
     """One decode step of `model` over row `slot` of `cache` as a single megakernel launch. The
-    model's w_down must be stored transposed (store_down_transposed)."""
+    model's wo and w_down must be stored transposed (store_transposed)."""
 
     def __init__(
         self,
@@ -165,12 +166,11 @@ class DecodeStep:
 
         shape, dev = self.shape, self.device
         self.state = torch.zeros(STATE_SLOTS, dtype=torch.int32, device=dev)
-        self.counters = torch.zeros(COUNTER_SPLITS + COUNTERS_PER_KV_HEAD * shape.kv_heads, dtype=torch.int32, device=dev)
-        self.hidden = torch.empty(shape.hidden, dtype=KERNEL_DTYPE, device=dev)
+        self.counters = torch.zeros(COUNTER_HEAD_ROWS + shape.kv_heads, dtype=torch.int32, device=dev)
+        self.hidden = torch.empty(RESIDUAL_ROWS, shape.hidden, dtype=KERNEL_DTYPE, device=dev)
         self.qkv = torch.empty(shape.q_dim + 2 * shape.kv_dim, dtype=KERNEL_DTYPE, device=dev)
-        self.attn_out = torch.empty(shape.q_dim, dtype=KERNEL_DTYPE, device=dev)
-        # zeros, then the down projection's fp32 sums of even and odd layers (zeroed by the kernel)
-        self.down_sums = torch.zeros(3, shape.hidden, dtype=torch.float32, device=dev)
+        # zeros, then the down projection's fp32 sums of even and odd layers and O's (zeroed by the kernel)
+        self.projection_sums = torch.zeros(PROJECTION_SUMS_ROWS, shape.hidden, dtype=torch.float32, device=dev)
         # per query head and split: acc[head_dim], max, sum and padding
         partials = shape.heads * MAX_SPLITS * (shape.head_dim + PARTIAL_EXTRA_FLOATS)
         self.attn_partials = torch.empty(partials, dtype=torch.float32, device=dev)
@@ -195,7 +195,7 @@ class DecodeStep:
                         f"cache.{name}[{index}] must be a contiguous {KERNEL_DTYPE} [max_batch, {expected}] tensor, "
                         f"got {tensor.dtype} {tuple(tensor.shape)}"
                     )
-            pointers = [_address(getattr(layer, field)) for field in LAYER_FIELDS]  # w_down: its [I, H] storage
+            pointers = [_address(getattr(layer, field)) for field in LAYER_FIELDS]  # wo, w_down: transposed storage
             pointers += [k[slot].data_ptr(), v[slot].data_ptr()]
             rows.append(pointers)
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
@@ -218,7 +218,7 @@ class DecodeStep:
             self._layer_table.data_ptr(), self._model.embed.data_ptr(), self._model.final_norm.data_ptr(),
             self._model.lm_head.data_ptr(), self._model.rope_inv_freq.data_ptr(),
             self.state.data_ptr(), self.counters.data_ptr(), self.hidden.data_ptr(), self.qkv.data_ptr(),
-            self.attn_out.data_ptr(), self.down_sums.data_ptr(), self.attn_partials.data_ptr(),
+            self.projection_sums.data_ptr(), self.attn_partials.data_ptr(),
             self.logits.data_ptr(), self.argmax_partials.data_ptr(), self.stage_stamps.data_ptr(),
             self._eps, np.int32(self.max_seq), np.int32(1 if greedy else 0),
         )
@@ -250,14 +250,19 @@ class DecodeStep:
         return StageTimes.from_stamps(stamps, arrivals)
 
 
-def store_down_transposed(model: DecodeModel) -> None:
-    """Store every layer's w_down ([H, I]) as the kernel reads it, [I, H] row-major (w_down.t()
-    contiguous), in place. The values and the [H, I] shape stay, so PyTorch code that multiplies by
-    w_down (F.linear) runs as before; the copy is made one layer at a time. Layers already stored
-    that way are left as they are."""
+TRANSPOSED_FIELDS = ("wo", "w_down")  # the kernel streams these by their input rows (gemv_transposed_rows)
+
+
+def store_transposed(model: DecodeModel) -> None:
+    """Store every layer's wo ([H, heads * head_dim]) and w_down ([H, I]) as the kernel reads them,
+    transposed and row-major (weight.t() contiguous), in place. The values and shapes stay, so
+    PyTorch code that multiplies by them (F.linear) runs as before; the copy is made one weight at
+    a time. Weights already stored that way are left as they are."""
     for layer in model.layers:
-        if not layer.w_down.t().is_contiguous():
-            layer.w_down = layer.w_down.t().contiguous().t()
+        for name in TRANSPOSED_FIELDS:
+            weight = getattr(layer, name)
+            if not weight.t().is_contiguous():
+                setattr(layer, name, weight.t().contiguous().t())
 
 
 def _address(tensor: torch.Tensor | None) -> int:
@@ -265,8 +270,8 @@ def _address(tensor: torch.Tensor | None) -> int:
 
 
 def check_weights(model: DecodeModel, shape: KernelShape) -> None:
-    """Every weight the kernel reads must be a contiguous bf16 tensor of the expected shape, w_down
-    contiguous as its transpose (store_down_transposed)."""
+    """Every weight the kernel reads must be a contiguous bf16 tensor of the expected shape, wo and
+    w_down contiguous as their transposes (store_transposed)."""
     expected = {
         "embed": (model.embed, (shape.vocab, shape.hidden)),
         "final_norm": (model.final_norm, (shape.hidden,)),
@@ -288,11 +293,11 @@ def check_weights(model: DecodeModel, shape: KernelShape) -> None:
         if tensor is None or tensor.dtype != KERNEL_DTYPE or tuple(tensor.shape) != dims:
             got = "None" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
             raise ValueError(f"model.{name} must be a {KERNEL_DTYPE} tensor of shape {dims}, got {got}")
-        if name.endswith(".w_down"):  # the kernel streams down's weight by its input rows
+        if name.rpartition(".")[2] in TRANSPOSED_FIELDS:  # the kernel streams it by its input rows
             if not tensor.t().is_contiguous():
                 raise ValueError(
-                    f"model.{name} must be stored transposed ([I, H] row-major, w_down.t() contiguous) for the "
-                    "megakernel: call store_down_transposed(model) first"
+                    f"model.{name} must be stored transposed ({name.rpartition('.')[2]}.t() contiguous) for the "
+                    "megakernel: call store_transposed(model) first"
                 )
         elif not tensor.is_contiguous():
             raise ValueError(f"model.{name} must be contiguous")

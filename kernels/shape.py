@@ -22,13 +22,12 @@ KV_ROW_BYTES_PER_ITER = 1024  # kKvRowBytesPerIter of kv_rows.cuh
 MERGE_ACC_BYTES = 32 * 1024  # kMergeAccBytes of attention.cuh
 HEAD_DIMS = (64, 128, 256)  # lanes split a head: 2, 4 or 8 channels each
 STATIC_SHARED_LIMIT = 48 * 1024  # kStaticSharedLimit
-MIN_CTAS = 96  # kMinCtas of decode_step.cu: the MLP slice per CTA in shared memory is sized for it
-MLP_ROWS_ALIGN = 4  # kMlpRowsAlign
+MIN_CTAS = 96  # kMinCtas of decode_step.cu: a transposed GEMV's input slice per CTA in shared memory is sized for it
+SLICE_ROWS_ALIGN = 4  # kSliceRowsAlign
+O_COLUMN_GROUPS = (4, 2, 1)  # kOColumnGroups of decode_step.cu: the most that split hidden into whole warp vectors
 SHARED_RESERVED = WARPS * (4 + 8 + 8) + 16  # the reduce, best and split_sums arrays beside the union, and alignment
 UNION_ALIGN = 16  # SharedStorage's union holds 16-byte vectors (x, AttentionShared's uint4s): its size rounds up to it
 FLOAT_BYTES = 4
-FOLD_CHUNK = 8  # kFoldChunk of attention.cuh
-FOLD_IN_O_MAX_BYTES = 64 * 1024  # kFoldInOMaxBytes
 BF16_BYTES = 2
 KERNEL_NAME = "megakernel::decode_step"
 SHAPE_TEMPLATE = "megakernel::ModelShape"
@@ -84,11 +83,6 @@ class KernelShape:
                 f"{self.group} query heads per KV head: attention gives each head of a group a lane of a warp, "
                 f"so at most {WARP_SIZE}"
             )
-        if self.folds_splits_in_o and (self.heads * self.head_dim // 4) % WARP_SIZE:
-            raise UnsupportedShapeError(
-                f"heads x head_dim ({self.heads * self.head_dim}) must be a multiple of {4 * WARP_SIZE} at this "
-                "size: the O stage folds the attention splits with whole heads per warp"
-            )
         for name in ("hidden", "intermediate"):
             if getattr(self, name) % VEC_ELEMS:
                 raise UnsupportedShapeError(
@@ -96,8 +90,8 @@ class KernelShape:
                 )
         if self.hidden % (WARPS * VEC_ELEMS):
             raise UnsupportedShapeError(
-                f"hidden ({self.hidden}) must be a multiple of {WARPS * VEC_ELEMS}: down's transposed GEMV gives "
-                f"each of the {WARPS} warps whole 16-byte vectors of every output row"
+                f"hidden ({self.hidden}) must be a multiple of {WARPS * VEC_ELEMS}: O's and down's transposed GEMVs "
+                f"give each of the {WARPS} warps whole 16-byte vectors of every output row"
             )
         if self.shared_bytes > STATIC_SHARED_LIMIT:
             raise UnsupportedShapeError(
@@ -136,18 +130,17 @@ class KernelShape:
         return max(self.hidden, self.q_dim)
 
     @property
-    def max_mlp_rows_per_cta(self) -> int:
-        """kMaxMlpRowsPerCta: the intermediate rows of one CTA's MLP slice on the smallest grid,
-        rounded up to MLP_ROWS_ALIGN."""
-        rows = -(-self.intermediate // MIN_CTAS)
-        return _round_up(rows, MLP_ROWS_ALIGN)
+    def o_column_groups(self) -> int:
+        """kOColumnGroups: O's output columns split in this many groups of CTAs."""
+        return next(groups for groups in O_COLUMN_GROUPS if self.hidden % (groups * WARPS * VEC_ELEMS) == 0)
 
     @property
-    def folds_splits_in_o(self) -> bool:
-        """kFoldSplitsInO of attention.cuh: the O stage folds the attention splits as it stages its input."""
-        quads = self.head_dim // 4
-        small = self.heads * self.head_dim * FOLD_CHUNK * FLOAT_BYTES <= FOLD_IN_O_MAX_BYTES
-        return small and FOLD_CHUNK <= quads <= WARP_SIZE
+    def max_slice_rows(self) -> int:
+        """kMaxSliceRows: the input rows of one CTA's slice of a transposed GEMV (O's attention
+        channels, shared by a column group's CTAs; the MLP's intermediate rows) on the smallest
+        grid, rounded up to SLICE_ROWS_ALIGN."""
+        rows = -(-max(self.intermediate, self.q_dim * self.o_column_groups) // MIN_CTAS)
+        return _round_up(rows, SLICE_ROWS_ALIGN)
 
     @property
     def shared_bytes(self) -> int:
@@ -157,11 +150,11 @@ class KernelShape:
         merge = FLOAT_BYTES * merge_slots * (group_elems + 2 * self.group)  # merge max, sum, acc
         keys_per_iter = min(KV_ROW_BYTES_PER_ITER // (BF16_BYTES * self.head_dim), _pow2_floor(WARP_SIZE // self.group))
         first_block = 2 * WARPS * keys_per_iter * BF16_BYTES * self.head_dim  # every lane's K and V slices of one block per warp
-        attention = FLOAT_BYTES * group_elems + max(merge, first_block) + FLOAT_BYTES  # q, union, is_last_split
+        attention = FLOAT_BYTES * group_elems + max(merge, first_block)  # q, then the union
         rope = FLOAT_BYTES * self.head_dim  # cos and sin, head_dim / 2 each
-        mlp_slice = FLOAT_BYTES * self.max_mlp_rows_per_cta  # the CTA's SiLU(gate) * up values
+        slice_in = FLOAT_BYTES * self.max_slice_rows  # the CTA's inputs of a transposed GEMV
         union = _round_up(max(BF16_BYTES * self.max_input, attention), UNION_ALIGN)
-        return union + rope + mlp_slice + SHARED_RESERVED
+        return union + rope + slice_in + SHARED_RESERVED
 
     def check_grid(self, ctas: int) -> None:
         """The kernel gives each KV head's QKV rows and attention to CTAs of their own (one persistent

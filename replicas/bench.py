@@ -55,7 +55,14 @@ from megaserve.kernels.barrier_probe import (
     time_streaming_step,
 )
 from megaserve.kernels.build import KernelBuildError, KernelCache
-from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, DecodeStep, StageTimes, store_down_transposed
+from megaserve.kernels.launcher import (
+    FINAL_STAGE,
+    STAGES_PER_LAYER,
+    TRANSPOSED_FIELDS,
+    DecodeStep,
+    StageTimes,
+    store_transposed,
+)
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.kernels.shape import UnsupportedShapeError
 from megaserve.replicas.models import Model, ModelConfig
@@ -292,7 +299,7 @@ def bench_context(
         return time_steps(graph.replay, TIMED_STEPS), count_kernel_launches(graph.replay), {}
 
     if MEGAKERNEL in methods:
-        with down_stored_transposed(model):
+        with weights_stored_transposed(model):
             for method, measured in bench_megakernels(model, cache, context, kernel_caches, rounds):
                 if isinstance(measured, Exception):  # a build that failed: the others are timed
                     yield method, measured
@@ -324,16 +331,17 @@ def _ms(seconds: dict[str, float]) -> dict[str, float]:
 
 
 @contextmanager
-def down_stored_transposed(model: Model) -> Iterator[None]:
-    """The megakernel's layout of w_down (a transposed copy of each) while the block runs; the
-    PyTorch baselines then run on the checkpoint's row-major layout, as its users would."""
-    row_major = [layer.w_down for layer in model.layers]
-    store_down_transposed(model)
+def weights_stored_transposed(model: Model) -> Iterator[None]:
+    """The megakernel's layout of wo and w_down (a transposed copy of each) while the block runs;
+    the PyTorch baselines then run on the checkpoint's row-major layout, as its users would."""
+    row_major = [{name: getattr(layer, name) for name in TRANSPOSED_FIELDS} for layer in model.layers]
+    store_transposed(model)
     try:
         yield
     finally:
-        for layer, w_down in zip(model.layers, row_major, strict=True):
-            layer.w_down = w_down
+        for layer, weights in zip(model.layers, row_major, strict=True):
+            for name, weight in weights.items():
+                setattr(layer, name, weight)
 
 
 # What building a megakernel can raise: a variant's sources that NVRTC refuses, a shape or GPU the

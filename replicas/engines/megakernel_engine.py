@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from megaserve.kernels.build import KernelCache
-from megaserve.kernels.launcher import STATE_POS, DecodeStep, store_down_transposed
+from megaserve.kernels.launcher import STATE_POS, DecodeStep, store_transposed
 from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.kernels.shape import KernelShape
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
@@ -68,7 +68,7 @@ class MegakernelEngine(StepThreadEngine):
         KernelShape.from_config(ModelConfig.from_hf_dir(model_dir))
         torch.cuda.set_device(self.device)
         self.model = load_model(model_dir, self.device, torch.bfloat16)
-        store_down_transposed(self.model)  # the kernel's layout; the PyTorch prefill reads it as well
+        store_transposed(self.model)  # the kernel's layout; the PyTorch prefill reads it as well
         config = self.model.config
         self.vocab_size = config.vocab_size
         self.eos_ids = frozenset(config.eos_token_ids)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megaserve.kernels.launcher import DecodeStep, store_down_transposed
+from megaserve.kernels.launcher import DecodeStep, store_transposed
 from megaserve.replicas.models import load_model
 
 DEVICE = "cuda"
@@ -36,7 +36,7 @@ def reference_greedy(model_dir, prompt, count: int, device: str = "cuda") -> lis
 def megakernel_model(model_dir):
     """The bf16 model with w_down in the kernel's layout (the reference forward reads it too)."""
     model = load_model(model_dir, DEVICE, torch.bfloat16)
-    store_down_transposed(model)
+    store_transposed(model)
     return model
 
 

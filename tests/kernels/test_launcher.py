@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, StageTimes, check_weights, store_down_transposed
+from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER, StageTimes, check_weights, store_transposed
 from megaserve.kernels.shape import KernelShape
 
 MS = 1_000_000  # nanoseconds
@@ -118,27 +118,33 @@ def decode_model(shape: KernelShape) -> SimpleNamespace:
     )
 
 
-def test_down_is_stored_transposed_in_place_with_the_same_values():
+@pytest.mark.parametrize("name", ["wo", "w_down"])
+def test_wo_and_down_are_stored_transposed_in_place_with_the_same_values(name):
     model = decode_model(SHAPE)
-    row_major = [layer.w_down.clone() for layer in model.layers]
-    store_down_transposed(model)
+    row_major = [getattr(layer, name).clone() for layer in model.layers]
+    store_transposed(model)
     for layer, before in zip(model.layers, row_major, strict=True):
-        assert layer.w_down.shape == before.shape and torch.equal(layer.w_down, before)
-        assert layer.w_down.t().is_contiguous() and not layer.w_down.is_contiguous()
+        weight = getattr(layer, name)
+        assert weight.shape == before.shape and torch.equal(weight, before)
+        assert weight.t().is_contiguous() and not weight.is_contiguous()
         # what PyTorch code does with it is unchanged
-        x = torch.randn(3, SHAPE.intermediate).to(torch.bfloat16)
-        assert torch.equal(F.linear(x, layer.w_down), F.linear(x, before))
-    stored = [layer.w_down.data_ptr() for layer in model.layers]
-    store_down_transposed(model)  # already in the kernel's layout: left as it is
-    assert [layer.w_down.data_ptr() for layer in model.layers] == stored
+        x = torch.randn(3, before.shape[1]).to(torch.bfloat16)
+        assert torch.equal(F.linear(x, weight), F.linear(x, before))
+    stored = [getattr(layer, name).data_ptr() for layer in model.layers]
+    store_transposed(model)  # already in the kernel's layout: left as it is
+    assert [getattr(layer, name).data_ptr() for layer in model.layers] == stored
 
 
-def test_the_launcher_refuses_down_in_the_checkpoint_layout():
+@pytest.mark.parametrize("name", ["wo", "w_down"])
+def test_the_launcher_refuses_wo_and_down_in_the_checkpoint_layout(name):
     model = decode_model(SHAPE)
-    with pytest.raises(ValueError, match=r"layers\[0\]\.w_down must be stored transposed .* store_down_transposed"):
+    store_transposed(model)
+    check_weights(model, SHAPE)  # the kernel's layout is accepted
+    layer = model.layers[1]
+    setattr(layer, name, getattr(layer, name).contiguous())
+    with pytest.raises(ValueError, match=rf"layers\[1\]\.{name} must be stored transposed .* store_transposed"):
         check_weights(model, SHAPE)
-    store_down_transposed(model)
-    check_weights(model, SHAPE)  # and accepts it in the kernel's
-    model.layers[1].wo = model.layers[1].wo.t().contiguous().t()
-    with pytest.raises(ValueError, match=r"layers\[1\]\.wo must be contiguous"):
+    store_transposed(model)
+    layer.wq = layer.wq.t().contiguous().t()
+    with pytest.raises(ValueError, match=r"layers\[1\]\.wq must be contiguous"):
         check_weights(model, SHAPE)

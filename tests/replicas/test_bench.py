@@ -10,18 +10,18 @@ import pytest
 import torch
 
 from megaserve.kernels.build import SOURCE_DIR, KernelBuildError, KernelCache
-from megaserve.kernels.launcher import StageTimes
+from megaserve.kernels.launcher import TRANSPOSED_FIELDS, StageTimes
 from megaserve.replicas import bench
 from megaserve.replicas.bench import (
     BENCH_CONFIGS,
     MEGAKERNEL,
     Result,
-    down_stored_transposed,
     format_table,
     parse_args,
     random_model,
     stage_read_bytes,
     streaming_stages,
+    weights_stored_transposed,
 )
 from megaserve.replicas.models import ModelConfig
 from megaserve.replicas.models.sharding import plan_sharding, step_read_bytes
@@ -119,14 +119,15 @@ def test_contexts_must_be_positive(capsys):
     assert "contexts must be positive" in capsys.readouterr().err
 
 
-def test_the_megakernel_gets_its_layout_of_w_down_and_the_baselines_the_checkpoint_s():
+@pytest.mark.parametrize("name", TRANSPOSED_FIELDS)
+def test_the_megakernel_gets_its_layout_of_a_weight_and_the_baselines_the_checkpoint_s(name):
     model = random_model(ModelConfig.from_hf_dict(TINY_CONFIG), torch.device("cpu"))
-    checkpoint = [layer.w_down for layer in model.layers]
-    with down_stored_transposed(model):
-        for layer, w_down in zip(model.layers, checkpoint, strict=True):
-            assert layer.w_down.t().is_contiguous() and torch.equal(layer.w_down, w_down)
-    assert all(layer.w_down is w_down for layer, w_down in zip(model.layers, checkpoint, strict=True))
-    assert all(layer.w_down.is_contiguous() for layer in model.layers)
+    checkpoint = [getattr(layer, name) for layer in model.layers]
+    with weights_stored_transposed(model):
+        for layer, weight in zip(model.layers, checkpoint, strict=True):
+            assert getattr(layer, name).t().is_contiguous() and torch.equal(getattr(layer, name), weight)
+    assert all(getattr(layer, name) is weight for layer, weight in zip(model.layers, checkpoint, strict=True))
+    assert all(getattr(layer, name).is_contiguous() for layer in model.layers)
 
 
 def test_kernel_sources_are_timed_beside_the_package_s_own(tmp_path):
