@@ -42,7 +42,7 @@ from megaserve.router.openai_schema import (
 from megaserve.router.policy import TIER_HEADER, Admission, Lease, RouterPosition, choose_tier, single_router
 from megaserve.router.responses import ResponseBuilder, served_tier
 from megaserve.router.settings import RouterSettings, capped_by_model, sampling_defaults
-from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
+from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, disconnect_aware, unless_disconnected
 from megaserve.router.tokenizer import ChatTemplateError, Tokenizer
 
 ROUTE_REASON_HEADER = "x-megaserve-route-reason"
@@ -69,8 +69,9 @@ def create_app(
 ) -> FastAPI:
     """The router app over `backends` (one per enabled tier); the tokenizer is read from
     `settings.model_dir` unless given; `position` places it among several router replicas;
-    `disconnect_errors` are what reading a request's body raises where its client has left, besides
-    Starlette's ClientDisconnect (under Serve, Ray's TaskCancelledError)."""
+    `disconnect_errors` are what reading a request's body, or watching for its client's disconnect,
+    raises where its client has left, besides Starlette's ClientDisconnect (under Serve, Ray's
+    TaskCancelledError)."""
     settings = capped_by_model(settings)
     router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir), position,
                      disconnect_errors)
@@ -253,8 +254,9 @@ class _Router:
             raise invalid(f"n is {n}; this server returns at most {self.settings.max_n} choices", "n")
         sampling = self._sampling(body, len(prompt_ids))
         route = choose_tier(self.settings, body.service_tier, request.headers.get(TIER_HEADER), len(prompt_ids), n)
+        receive = disconnect_aware(request.receive, self.disconnect_errors)
         try:
-            lease = await unless_disconnected(request.receive, self.admission.admit(route, n), discard=Lease.release)
+            lease = await unless_disconnected(receive, self.admission.admit(route, n), discard=Lease.release)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -277,12 +279,13 @@ class _Router:
         events = generation.events()
         try:
             if body.stream:
-                first = await unless_disconnected(request.receive, anext(events))
+                first = await unless_disconnected(receive, anext(events))
                 stream = answer.sse(first, events, n, body.include_usage, body.continuous_usage)
-                response = EventStreamResponse(stream, headers, on_close=lease.release, source=events)
+                response = EventStreamResponse(stream, headers, on_close=lease.release, source=events,
+                                               disconnect_errors=self.disconnect_errors)
                 lease = None  # the response releases it when the stream ends
                 return response
-            deltas = await unless_disconnected(request.receive, _collect(events))
+            deltas = await unless_disconnected(receive, _collect(events))
             return _json(answer.complete(deltas, n), headers)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -26,8 +26,27 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the answer was ready."""
 
 
+DISCONNECT_MESSAGE = {"type": "http.disconnect"}
+
+
+def disconnect_aware(receive: Receive, disconnect_errors: tuple[type[Exception], ...]) -> Receive:
+    """`receive`, with `disconnect_errors` read as the `http.disconnect` message: what the channel
+    raises where its client has left instead of sending that message (Ray Serve's proxy cancels
+    the replica's pending receive: TaskCancelledError). A client leaving is no server error."""
+    if not disconnect_errors:
+        return receive
+
+    async def receive_or_disconnect():
+        try:
+            return await receive()
+        except disconnect_errors:
+            return DISCONNECT_MESSAGE
+
+    return receive_or_disconnect
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != DISCONNECT_MESSAGE["type"]:
         pass
 
 
@@ -66,7 +85,9 @@ class EventStreamResponse(Response):
     """`text/event-stream` of `events`; they are closed the moment the client disconnects, and
     `on_close` runs once, whichever way the stream ends. `source`, the generator that `events`
     reads, is closed after them: closing a generator that never started runs none of its code, so a
-    client gone before the first event would otherwise leave the replica stream open."""
+    client gone before the first event would otherwise leave the replica stream open.
+    `disconnect_errors`: what the server's receive channel raises when the client leaves
+    (disconnect_aware)."""
 
     media_type = "text/event-stream"
 
@@ -76,8 +97,10 @@ class EventStreamResponse(Response):
         headers: Mapping[str, str],
         on_close: Callable[[], None],
         source: AsyncGenerator | None = None,
+        disconnect_errors: tuple[type[Exception], ...] = (),
     ) -> None:
         self.events = events
+        self.disconnect_errors = disconnect_errors
         self.source = source
         self.on_close = on_close
         self.status_code = 200
@@ -88,7 +111,7 @@ class EventStreamResponse(Response):
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(self._send_events, send, group.cancel_scope)
-                await _wait_for_disconnect(receive)
+                await _wait_for_disconnect(disconnect_aware(receive, self.disconnect_errors))
                 group.cancel_scope.cancel()
         finally:
             try:

@@ -10,7 +10,7 @@ import pytest
 
 from megaserve.replicas.protocol import Tier
 from megaserve.router.policy import Lease, Route, TierSlots
-from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, unless_disconnected
+from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, disconnect_aware, unless_disconnected
 
 DISCONNECT = {"type": "http.disconnect"}
 
@@ -111,3 +111,55 @@ async def test_a_client_gone_before_the_first_event_has_the_source_stream_closed
     response = EventStreamResponse(sse(source), {}, on_close=lambda: released.append(True), source=source)
     await response(scope={}, receive=_gone, send=send_that_yields)
     assert source_closed.is_set() and released == [True]
+
+
+class ChannelCancelled(Exception):
+    """Stands for what a server's receive channel raises once its client has left (Ray Serve's
+    proxy: TaskCancelledError)."""
+
+
+async def _cancelled_channel():
+    raise ChannelCancelled
+
+
+async def test_a_stream_whose_channel_raises_the_disconnect_error_closes_quietly():
+    released, source_closed = [], asyncio.Event()
+
+    async def replica_stream():
+        try:
+            while True:
+                yield b"data: {}\n\n"
+                await asyncio.sleep(0.01)
+        finally:
+            source_closed.set()
+
+    async def send(message):
+        await asyncio.sleep(0)
+
+    source = replica_stream()
+    await anext(source)  # the router awaits the first token before it answers
+    response = EventStreamResponse(source, {}, on_close=lambda: released.append(True), source=source,
+                                   disconnect_errors=(ChannelCancelled,))
+    await response(scope={}, receive=_cancelled_channel, send=send)  # no error: the client left
+    assert source_closed.is_set() and released == [True]
+    # without the disconnect error named, the same channel is a server error
+    source = replica_stream()
+    response = EventStreamResponse(source, {}, on_close=lambda: released.append(True), source=source)
+    with pytest.raises(BaseException) as raised:
+        await response(scope={}, receive=_cancelled_channel, send=send)
+    assert raised.group_contains(ChannelCancelled) if isinstance(raised.value, BaseExceptionGroup) else (
+        isinstance(raised.value, ChannelCancelled))
+
+
+async def test_work_is_cancelled_when_the_channel_raises_the_disconnect_error():
+    cancelled = asyncio.Event()
+
+    async def work():
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cancelled.set()
+
+    with pytest.raises(ClientDisconnected):
+        await unless_disconnected(disconnect_aware(_cancelled_channel, (ChannelCancelled,)), work())
+    assert cancelled.is_set()
