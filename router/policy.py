@@ -38,6 +38,7 @@ from megaserve.router.errors import APIError, busy, invalid
 from megaserve.router.settings import RouterSettings, router_share
 
 TIER_HEADER = "x-megaserve-tier"
+ECHOED_HEADER_CHARS = 64  # of a refused header value, in the error: a client may send kilobytes
 RouterPosition = Callable[[], tuple[int, int]]  # () -> (rank, routers): this router among its replicas
 SERVICE_TIER_TO_TIER = {"priority": Tier.LATENCY, "fast": Tier.LATENCY, "default": Tier.THROUGHPUT,
                         "flex": Tier.THROUGHPUT, "scale": Tier.THROUGHPUT}
@@ -66,7 +67,9 @@ def choose_tier(
             return Route(Tier(header.strip().lower()), "header")
         except ValueError:
             raise invalid(
-                f"header {TIER_HEADER} must be 'latency' or 'throughput', got {header!r}", param=TIER_HEADER
+                f"header {TIER_HEADER} must be 'latency' or 'throughput', got {header[:ECHOED_HEADER_CHARS]!r}"
+                + ("..." if len(header) > ECHOED_HEADER_CHARS else ""),
+                param=TIER_HEADER,
             ) from None
     if n > 1:
         return Route(Tier.THROUGHPUT, "n")

@@ -44,6 +44,14 @@ def test_unknown_tier_header_is_a_400():
     with pytest.raises(APIError) as caught:
         choose_tier(settings(), None, "fastest", 10, 1)
     assert caught.value.status == 400 and caught.value.param == "x-megaserve-tier"
+    assert "'fastest'" in caught.value.message
+
+
+def test_a_long_unknown_tier_header_is_not_echoed_whole():
+    with pytest.raises(APIError) as caught:
+        choose_tier(settings(), None, "x" * 60_000, 10, 1)
+    assert caught.value.status == 400 and len(caught.value.message) < 200
+    assert caught.value.message.endswith("'x" + "x" * 63 + "'...")
 
 
 async def test_slots_are_granted_in_arrival_order_and_a_timeout_gives_nothing():
