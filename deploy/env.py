@@ -40,6 +40,10 @@ def _api_keys() -> tuple[str, ...]:
     if not keys:  # an empty Secret, say: taken as "no keys", it would open the API to everyone
         raise ValueError(f"{name} is set but holds no key ({value!r}): set it to comma-separated bearer "
                          f"keys, or unset it to serve without auth")
+    if not all(key.isascii() and key.isprintable() for key in keys):
+        # HTTP header values reach the app decoded as latin-1: a UTF-8 client could never match such a key
+        raise ValueError(f"{name} holds a key with characters outside printable ASCII: bearer keys must be "
+                         f"printable ASCII")
     return keys
 
 

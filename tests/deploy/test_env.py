@@ -61,6 +61,14 @@ def test_keys_set_to_no_key_are_refused_by_name_not_taken_as_auth_off(monkeypatc
     assert capsys.readouterr().err.startswith("megaserve: MEGASERVE_API_KEYS is set but holds no key")
 
 
+@pytest.mark.parametrize("value", ["k1,sécret", "k1,tab\tkey"])
+def test_keys_outside_printable_ascii_are_refused(monkeypatch, value):
+    # Headers reach the app decoded as latin-1: a UTF-8 client could never send a matching key.
+    monkeypatch.setenv("MEGASERVE_API_KEYS", value)
+    with pytest.raises(ValueError, match="MEGASERVE_API_KEYS holds a key with characters outside printable ASCII"):
+        Environment.read()
+
+
 def test_a_client_command_leaves_the_server_s_keys_unread(monkeypatch, capsys):
     # The server's setting in the same shell, empty or not, is no business of a client's.
     monkeypatch.setenv("MEGASERVE_API_KEYS", "")
