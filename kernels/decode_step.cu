@@ -57,7 +57,8 @@ enum StateSlot { kStateToken = 0, kStatePos = 1, kStateArgmax = 2, kStateSlots =
 // the step's last CTA).
 enum CounterSlot { kCounterBarrier = 0, kCounterArgmaxDone = 1, kCounterHeadRows = 2 };
 
-// One layer's weights (row-major bf16) and KV cache row, as a table in device memory.
+// One layer's weights (bf16, row-major; wo and w_down as their transposes) and KV cache row, as a
+// table in device memory.
 struct LayerWeights {
   const bf16* attn_norm;  // [H]
   const bf16* wq;         // [heads * head_dim, H]

@@ -34,7 +34,7 @@ def reference_greedy(model_dir, prompt, count: int, device: str = "cuda") -> lis
 
 
 def megakernel_model(model_dir):
-    """The bf16 model with w_down in the kernel's layout (the reference forward reads it too)."""
+    """The bf16 model with wo and w_down in the kernel's layout (the reference forward reads them too)."""
     model = load_model(model_dir, DEVICE, torch.bfloat16)
     store_transposed(model)
     return model

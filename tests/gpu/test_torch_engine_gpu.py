@@ -41,7 +41,7 @@ async def _tokens(engine, request) -> list[int]:
 
 def test_cuda_engine_batches_and_matches_the_reference(fp32_model_dir):
     together, seeded_alone, seeded_batched = asyncio.run(_batched_and_seeded(fp32_model_dir))
-    for prompt, tokens in zip(PROMPTS, together):
+    for prompt, tokens in zip(PROMPTS, together, strict=True):
         assert tokens == reference_greedy(fp32_model_dir, prompt, GENERATED)
     assert seeded_alone == seeded_batched
 

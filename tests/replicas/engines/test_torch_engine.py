@@ -79,7 +79,7 @@ async def test_continuous_batching_gives_each_request_its_solo_tokens(make_engin
     results = await asyncio.gather(*(run(i) for i in range(len(prompts))))
     watcher.cancel()
     assert most_running >= 2  # the requests really shared decode steps
-    for prompt, length, tokens in zip(prompts, lengths, results):
+    for prompt, length, tokens in zip(prompts, lengths, results, strict=True):
         assert tokens == reference_greedy(list(prompt), length)
 
 
