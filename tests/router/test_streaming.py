@@ -30,6 +30,16 @@ async def _gone():
     return DISCONNECT
 
 
+async def _replica_stream(closed: asyncio.Event):
+    """A replica's endless event stream, which sets `closed` once it is closed."""
+    try:
+        while True:
+            yield b"data: {}\n\n"
+            await asyncio.sleep(0.01)
+    finally:
+        closed.set()
+
+
 def _granted_lease(slots: TierSlots) -> Lease:
     assert slots.take_now(1)
     return Lease(slots, 1, Route(Tier.LATENCY, "policy"))
@@ -91,13 +101,6 @@ async def test_work_that_finishes_instead_of_stopping_has_its_result_discarded()
 async def test_a_client_gone_before_the_first_event_has_the_source_stream_closed():
     source_closed, released = asyncio.Event(), []
 
-    async def replica_stream():
-        try:
-            while True:
-                yield b"data: {}\n\n"
-                await asyncio.sleep(0.01)
-        finally:
-            source_closed.set()
 
     async def sse(source):  # like ResponseBuilder.sse: it reads the source only once iterated
         async for event in source:
@@ -106,7 +109,7 @@ async def test_a_client_gone_before_the_first_event_has_the_source_stream_closed
     async def send_that_yields(message):  # a server whose send lets the disconnect be seen first
         await asyncio.sleep(0)
 
-    source = replica_stream()
+    source = _replica_stream(source_closed)
     await anext(source)  # the router awaits the first token before it answers
     response = EventStreamResponse(sse(source), {}, on_close=lambda: released.append(True), source=source)
     await response(scope={}, receive=_gone, send=send_that_yields)
@@ -125,25 +128,18 @@ async def _cancelled_channel():
 async def test_a_stream_whose_channel_raises_the_disconnect_error_closes_quietly():
     released, source_closed = [], asyncio.Event()
 
-    async def replica_stream():
-        try:
-            while True:
-                yield b"data: {}\n\n"
-                await asyncio.sleep(0.01)
-        finally:
-            source_closed.set()
 
     async def send(message):
         await asyncio.sleep(0)
 
-    source = replica_stream()
+    source = _replica_stream(source_closed)
     await anext(source)  # the router awaits the first token before it answers
     response = EventStreamResponse(source, {}, on_close=lambda: released.append(True), source=source,
                                    disconnect_errors=(ChannelCancelled,))
     await response(scope={}, receive=_cancelled_channel, send=send)  # no error: the client left
     assert source_closed.is_set() and released == [True]
     # without the disconnect error named, the same channel is a server error
-    source = replica_stream()
+    source = _replica_stream(source_closed)
     response = EventStreamResponse(source, {}, on_close=lambda: released.append(True), source=source)
     with pytest.raises(BaseException) as raised:
         await response(scope={}, receive=_cancelled_channel, send=send)
