@@ -60,27 +60,32 @@ class Delta:
 
 
 class StopMatcher:
-    """Finds the first stop string in a choice's text as it grows.
+    """Finds the first stop string in a choice's text as it grows: the one that ends first (of two
+    ending on the same character, the longer), however the text is split into pieces.
 
     Text that could still turn out to be the start of a stop string is held back, so nothing past
-    a stop string is ever sent. A stop string can only begin in held-back text or in new text.
+    a stop string is ever sent. Each stop string keeps how much of it the text so far ends with (a
+    Knuth-Morris-Pratt automaton), so each character costs the same whatever is held back.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
+        self._fallbacks = [_kmp_fallbacks(stop) for stop in self.stops]
+        self._matched = [0] * len(self.stops)  # per stop: the longest end of the text that begins it
         self.pending = ""  # text received but not released
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add `text`; return what may be released, and whether a stop string was found."""
         if not self.stops:
             return text, False
+        start = len(self.pending)
         self.pending += text
-        found = [p for p in (self.pending.find(stop) for stop in self.stops) if p >= 0]
-        if found:
-            released, self.pending = self.pending[: min(found)], ""
-            return released, True
-        hold = max(self._prefix_held(stop) for stop in self.stops)
-        cut = len(self.pending) - hold
+        for offset, char in enumerate(text):
+            ends_here = [len(stop) for i, stop in enumerate(self.stops) if self._advance(i, char)]
+            if ends_here:
+                released, self.pending = self.pending[: start + offset + 1 - max(ends_here)], ""
+                return released, True
+        cut = len(self.pending) - max(self._matched)
         released, self.pending = self.pending[:cut], self.pending[cut:]
         return released, False
 
@@ -88,12 +93,30 @@ class StopMatcher:
         released, self.pending = self.pending, ""
         return released
 
-    def _prefix_held(self, stop: str) -> int:
-        """Length of the longest end of `pending` that is a proper beginning of `stop`."""
-        for length in range(min(len(stop) - 1, len(self.pending)), 0, -1):
-            if self.pending.endswith(stop[:length]):
-                return length
-        return 0
+    def _advance(self, i: int, char: str) -> bool:
+        """Stop i after one more character of text: whether the text now ends with all of it."""
+        stop, matched = self.stops[i], self._matched[i]
+        while matched and stop[matched] != char:
+            matched = self._fallbacks[i][matched - 1]
+        if stop[matched] == char:
+            matched += 1
+        if matched == len(stop):
+            return True
+        self._matched[i] = matched
+        return False
+
+
+def _kmp_fallbacks(stop: str) -> list[int]:
+    """fallbacks[k]: the longest proper end of stop[:k + 1] that is also a beginning of stop."""
+    fallbacks = [0] * len(stop)
+    matched = 0
+    for k in range(1, len(stop)):
+        while matched and stop[k] != stop[matched]:
+            matched = fallbacks[matched - 1]
+        if stop[k] == stop[matched]:
+            matched += 1
+        fallbacks[k] = matched
+    return fallbacks
 
 
 @dataclass

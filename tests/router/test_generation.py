@@ -49,6 +49,24 @@ def test_the_earliest_of_several_stops_wins_and_text_before_it_comes_out():
     assert stopped and "".join(released) == "hel"
 
 
+@pytest.mark.parametrize("pieces", [["Hello the"], ["Hel", "lo", " the"], ["Hel", "lo", " th", "e"]])
+def test_the_stop_that_ends_first_wins_however_the_text_is_split(pieces):
+    released, stopped = feed(StopMatcher([" the", "th"]), pieces)
+    assert stopped and "".join(released) == "Hello "
+
+
+@pytest.mark.parametrize("stops, text, expected", [
+    (["abab"], "xabaabab tail", "xaba"),  # a false start that overlaps the real one
+    (["aab"], "aaab", "a"),
+    (["abcd", "bc"], "abcd", "a"),  # "bc" ends first
+    (["ab", "xab"], "xab", ""),  # both end on the same character: the longer one
+])
+def test_overlapping_starts_are_matched_character_by_character(stops, text, expected):
+    for pieces in ([text], list(text)):
+        released, stopped = feed(StopMatcher(stops), pieces)
+        assert stopped and "".join(released) == expected
+
+
 def test_a_stop_at_the_very_start_releases_nothing():
     released, stopped = feed(StopMatcher(["\n"]), ["\nrest"])
     assert stopped and released == [""]
