@@ -84,7 +84,7 @@ REQUEST_DURATION = Histogram(
 )
 PROMPT_TOKENS = Counter(
     "megaserve_prompt_tokens",
-    "Prompt tokens of requests that were served.",
+    "Prompt tokens of requests sent to a replica (also of those that then failed or were cancelled).",
     ["tier", "model"],
 )
 GENERATION_TOKENS = Counter(
@@ -100,7 +100,8 @@ ROUTED_REQUESTS = Counter(
 )
 REJECTED_REQUESTS = Counter(
     "megaserve_rejected_requests",
-    "Requests refused by the router, by reason (saturated, invalid, unauthorized, ...).",
+    "Requests refused by the router before it routed them to a tier, by reason (saturated, invalid, "
+    "unauthorized, ...); a routed request that fails counts as finished with error.",
     ["model", "reason"],
 )
 FINISHED_REQUESTS = Counter(
@@ -111,7 +112,7 @@ FINISHED_REQUESTS = Counter(
 )
 # The label values the router's counters take (router/policy.py, router/errors.py, router/generation.py).
 ROUTE_REASONS = ("requested", "header", "policy", "prompt_length", "n", "spillover", "only_tier")
-REJECTION_REASONS = ("invalid", "unauthorized", "saturated", "unavailable", "failed")
+REJECTION_REASONS = ("invalid", "unauthorized", "saturated", "unavailable")
 FINISH_REASONS = ("stop", "length", "abort", "cancelled", "error")
 
 

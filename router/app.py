@@ -150,7 +150,8 @@ class _Router:
         return JSONResponse({"status": "ok" if serving else "unavailable", "tiers": tiers}, status)
 
     async def error_response(self, request: Request, error: APIError) -> Response:
-        REJECTED_REQUESTS.labels(model=self.settings.model_name, reason=error.reason).inc()
+        if not error.routed:
+            REJECTED_REQUESTS.labels(model=self.settings.model_name, reason=error.reason).inc()
         return JSONResponse(error.body(), error.status, headers=error.headers)
 
     # --- reading a request ----------------------------------------------------------------
@@ -289,20 +290,29 @@ class _Router:
             return _json(answer.complete(deltas, n), headers)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except APIError as error:  # from the backend: no replica is running to take the call
+            error.routed = True
+            raise
         except EngineError as error:
-            raise invalid(str(error)) from None
+            raise _routed(invalid(str(error))) from None
         except EngineDeadError as error:  # Serve is about to replace the replica: the request itself was fine
-            raise service_unavailable(f"the {lease.tier.value} replica that took the request is down ({error}); "
-                                      "retry later", self.settings.retry_after_seconds, code="engine_dead") from None
+            raise _routed(service_unavailable(
+                f"the {lease.tier.value} replica that took the request is down ({error}); retry later",
+                self.settings.retry_after_seconds, code="engine_dead")) from None
         except GenerationFailed as error:
             raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", type=SERVER_ERROR,
-                           reason="failed") from None
+                           routed=True) from None
         finally:
             if lease is not None:
                 try:
                     await events.aclose()
                 finally:  # the slot goes back even if closing the backend stream raised
                     lease.release()
+
+
+def _routed(error: APIError) -> APIError:
+    error.routed = True
+    return error
 
 
 async def _collect(events: AsyncGenerator[Delta, None]) -> list[Delta]:

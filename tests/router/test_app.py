@@ -13,12 +13,13 @@ from collections.abc import AsyncGenerator
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 from ray.exceptions import TaskCancelledError
 
 from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier
 from megaserve.router.app import SPILLOVER_PRIORITY, create_app
 from megaserve.router.backend import EngineBackend
-from megaserve.router.errors import UNAVAILABLE
+from megaserve.router.errors import UNAVAILABLE, busy
 
 from .conftest import (
     LATENCY_MAX_PROMPT_TOKENS,
@@ -332,6 +333,37 @@ def test_a_dead_engine_is_a_503_to_retry_not_a_400(serve_router, stream):
     error = response.json()["error"]
     assert error["type"] == UNAVAILABLE and error["code"] == "engine_dead"
     assert "engine step failed: RuntimeError: CUDA error" in error["message"]
+
+
+class NoReplicaTakesItBackend:
+    """A tier whose replicas all went down after the router admitted the request: the backend's
+    first-output wait gives the call up (ServeBackend._first_output)."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        raise busy("no LatencyReplica replica is running to take the request", 3, unavailable=True)
+        yield  # an async generator, as a backend's stream is
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+def _counter(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
+
+
+@pytest.mark.parametrize("backend", [DeadEngineBackend(), NoReplicaTakesItBackend()])
+def test_a_routed_request_that_fails_counts_as_a_finished_error_not_also_as_a_rejection(serve_router, backend):
+    url = serve_router({Tier.LATENCY: backend}, retry_after_seconds=3)
+    counters = {
+        "rejected": ("megaserve_rejected_requests_total", {"reason": "unavailable"}),
+        "routed": ("megaserve_routed_requests_total", {"tier": "latency", "reason": "requested"}),
+        "error": ("megaserve_finished_requests_total", {"tier": "latency", "finish_reason": "error"}),
+    }
+    before = {key: _counter(name, **labels) for key, (name, labels) in counters.items()}
+    body = {"model": MODEL, "messages": HELLO, "service_tier": "priority"}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 503
+    after = {key: _counter(name, **labels) for key, (name, labels) in counters.items()}
+    assert {key: after[key] - before[key] for key in counters} == {"rejected": 0, "routed": 1, "error": 1}
 
 
 class ShutDownBackend:
