@@ -159,13 +159,24 @@ class IncrementalDetokenizer:
         if self._skipped(token_id):
             return ""  # no text, now or in context: kept out of the window, which would only grow
         self._window.append(token_id)
-        context_text = self._decode(self._window[: self._context_length])
-        text = self._decode(self._window)
+        text, context_text = self._decode_window()
         if text.endswith(REPLACEMENT_CHAR):  # maybe a multi-byte character still incomplete
             return self._release_final_part(text, context_text)
         if len(text) <= len(context_text):
             return ""  # nothing visible yet
         return self._emit(len(self._window), text, context_text)
+
+    def _decode_window(self) -> tuple[str, str]:
+        """The window's text and its context's. Where the decoder merged the context into a broken
+        byte run (ByteFallback renders every byte of a run that is not UTF-8 as U+FFFD, the bytes of
+        the context's whole characters too), the text no longer begins with the context's, which
+        was already emitted: the context is dropped and the new ids decode alone."""
+        context_text = self._decode(self._window[: self._context_length])
+        text = self._decode(self._window)
+        if not text.startswith(context_text):
+            self._window, self._context_length = self._window[self._context_length :], 0
+            return self._decode(self._window), ""
+        return text, context_text
 
     def _emit(self, end: int, text: str, context_text: str) -> str:
         """Returns `text` (the decoding of the window's first `end` ids) past the context's, and makes
@@ -193,8 +204,8 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Whatever is still held back at the end of the stream (an incomplete UTF-8 sequence
         shows as U+FFFD, as in a full decode)."""
-        context_text = self._decode(self._window[: self._context_length])
-        remainder = self._decode(self._window)[len(context_text) :]
+        text, context_text = self._decode_window()
+        remainder = text[len(context_text) :]
         self._window, self._context_length = [], 0
         return remainder
 

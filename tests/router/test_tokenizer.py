@@ -219,6 +219,23 @@ def test_the_first_word_keeps_its_space_after_a_prompt_that_ends_in_byte_pieces(
     assert tokenizer.decode(prompt) + "".join(deltas) + detokenizer.finish() == tokenizer.decode(prompt + generated)
 
 
+@pytest.mark.parametrize("tail, expected", [
+    ([0xE4, 0xB8], "😀��"),  # a character cut short by the end of the stream
+    ([0x80, "▁ok"], "😀� ok"),  # a stray continuation byte, then a word
+])
+def test_byte_pieces_that_break_after_a_whole_character_add_one_replacement_per_new_byte(tail, expected):
+    # ByteFallback renders every byte of a run that is not UTF-8 as U+FFFD, the emoji's 4 bytes too:
+    # decoded with the emoji as left context, the window no longer begins with the emoji's text.
+    byte_pieces = [f"<0x{value:02X}>" for value in range(256)]
+    backend = sentencepiece_style_tokenizer(["<unk>", "▁ok", *byte_pieces])
+    tokenizer, vocab = Tokenizer(backend, {}, None), backend.get_vocab()
+    generated = [vocab[byte_pieces[value]] for value in "😀".encode()]
+    generated += [vocab[byte_pieces[piece]] if isinstance(piece, int) else vocab[piece] for piece in tail]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    text = "".join(detokenizer.push(token) for token in generated) + detokenizer.finish()
+    assert text == expected
+
+
 def test_a_prompt_that_ends_inside_a_character_is_no_context(ours):
     emoji = ours.encode("😀", add_special_tokens=False)
     prompt = ours.encode("ok", add_special_tokens=False) + emoji[:1]
