@@ -163,7 +163,6 @@ class Generation:
     async def _choice_deltas(self, index: int, request: GenerateRequest) -> AsyncGenerator[Delta, None]:
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         matcher = StopMatcher(self.stops)
-        stop_ids = frozenset(request.sampling.stop_token_ids)
         first = True
         final: Delta | None = None
         async with closing(self.backend.stream(request)) as stream:
@@ -173,8 +172,11 @@ class Generation:
                 last = len(output.token_ids) - 1
                 for position, token in enumerate(output.token_ids):
                     used += 1
-                    if position == last and output.finish_reason is FinishReason.STOP and token in stop_ids:
-                        break  # the stop id that ended the choice (engines stream it last): no text
+                    if position == last and output.finish_reason is FinishReason.STOP:
+                        # the token that ended the choice, an end-of-sequence or stop id (engines
+                        # stream it last): counted, but no text, as in vLLM, even where it is no
+                        # special token that the detokenizer would skip
+                        break
                     text, stopped = matcher.push(detokenizer.push(token))
                     released += text
                     if stopped:

@@ -147,16 +147,16 @@ class StopIdBackend:
 
 @pytest.mark.parametrize("stop_ids", [True, False])
 def test_a_stop_id_that_ends_a_choice_is_counted_but_adds_no_text(tokenizer, stop_ids):
-    """vLLM's and SGLang's default (include_stop_str_in_output / no_stop_trim off); the same token
-    ending a choice without being a stop id (a replica's own finish, say) keeps its text."""
+    """vLLM's and SGLang's default (include_stop_str_in_output / no_stop_trim off); the same for a
+    token that ends a choice without being a stop id of the request (the model's end-of-sequence id,
+    which need not be a special token)."""
     token_ids = tokenizer.encode("ab cd ef", add_special_tokens=False)
     stop = token_ids[-1]
     request = GenerateRequest("r", (1, 2, 3), SamplingParams(stop_token_ids=(stop,) if stop_ids else ()))
     generation = Generation(StopIdBackend(token_ids), [request], Tier.LATENCY, "m", tokenizer, (),
                             arrival=time.perf_counter())
     deltas = asyncio.run(_collect(generation.events()))
-    expected = tokenizer.decode(token_ids[:-1] if stop_ids else token_ids)
-    assert "".join(d.text for d in deltas) == expected
+    assert "".join(d.text for d in deltas) == tokenizer.decode(token_ids[:-1])
     assert tokenizer.decode(token_ids[:-1]) != tokenizer.decode(token_ids)  # the stop id has text
     assert deltas[-1].finish_reason == "stop" and generation.completion_tokens == len(token_ids)
 
