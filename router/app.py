@@ -17,7 +17,8 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -56,6 +57,10 @@ UNION_TAG_TYPES = {"str", "int", "float", "bool"}
 # A client chooses the names of the fields it sends: the log line of ignored ones stays bounded.
 LOGGED_FIELD_NAMES = 8
 LOGGED_NAME_CHARS = 64
+# Prompts of more characters than this are tokenized one at a time, on a thread of their own: a few
+# near the body limit (4 MB, a second or more each, and hundreds of MB while they last) would
+# otherwise hold every worker thread that the other requests' prompts are tokenized on.
+LARGE_PROMPT_CHARS = 64 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +103,7 @@ class _Router:
         self.tokenizer = tokenizer
         self.admission = Admission(settings, backends, position)
         self.sampling_defaults = sampling_defaults(settings.model_dir)
+        self._large_prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaserve-large-prompt")
 
     # --- endpoints -------------------------------------------------------------------------
 
@@ -105,11 +111,20 @@ class _Router:
         arrival = time.perf_counter()
         body = await self._read(request, ChatCompletionRequest)
         messages = [m.template_message() for m in body.messages]
-        try:  # in a worker thread: a long prompt must not stall every other stream of this router
-            prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages)
+        characters = sum(len(message["content"]) for message in messages)
+        try:
+            prompt_ids = await self._tokenize(characters, self._chat_prompt_ids, messages)
         except ChatTemplateError as error:
             raise invalid(str(error), "messages") from None
         return await self._generate(request, body, prompt_ids, arrival, chat=True)
+
+    async def _tokenize(self, characters: int, tokenize: Callable[..., list[int]], *args) -> list[int]:
+        """tokenize(*args) in a worker thread (a long prompt must not stall every other stream of this
+        router), on the large prompts' own thread where the prompt has more than LARGE_PROMPT_CHARS
+        characters."""
+        if characters > LARGE_PROMPT_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(self._large_prompts, tokenize, *args)
+        return await asyncio.to_thread(tokenize, *args)
 
     def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -119,7 +134,7 @@ class _Router:
         arrival = time.perf_counter()
         body = await self._read(request, CompletionRequest)
         if isinstance(body.prompt, str):
-            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, add_special_tokens=True)
+            prompt_ids = await self._tokenize(len(body.prompt), self.tokenizer.encode, body.prompt)
             if not prompt_ids:  # "" where the tokenizer adds no BOS: nothing for a model to go on from
                 raise invalid("the prompt is empty: it has no tokens, and this model's tokenizer adds none", "prompt")
         else:

@@ -9,7 +9,10 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import threading
+import time
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -17,7 +20,7 @@ from prometheus_client import REGISTRY
 from ray.exceptions import TaskCancelledError
 
 from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier
-from megaserve.router.app import SPILLOVER_PRIORITY, create_app
+from megaserve.router.app import LARGE_PROMPT_CHARS, SPILLOVER_PRIORITY, create_app
 from megaserve.router.backend import EngineBackend
 from megaserve.router.errors import UNAVAILABLE, busy
 
@@ -455,6 +458,51 @@ class LoopRecordingTokenizer:
     def apply_chat_template(self, *args, **kwargs):
         self._note()
         return self.inner.apply_chat_template(*args, **kwargs)
+
+
+class ThreadRecordingTokenizer:
+    """The demo tokenizer, noting the thread of each encode and how many large prompts ran at once."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.threads: list[tuple[int, str]] = []  # (prompt characters, thread name)
+        self.large_running = self.most_large_at_once = 0
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def encode(self, text, *args, **kwargs):
+        large = len(text) > LARGE_PROMPT_CHARS
+        with self.lock:
+            self.large_running += large
+            self.most_large_at_once = max(self.most_large_at_once, self.large_running)
+            self.threads.append((len(text), threading.current_thread().name))
+        try:
+            time.sleep(ENCODE_HOLD_SECONDS)  # long enough for concurrent requests to overlap
+            return self.inner.encode(text, *args, **kwargs)
+        finally:
+            with self.lock:
+                self.large_running -= large
+
+
+ENCODE_HOLD_SECONDS = 0.2
+
+
+def test_large_prompts_are_tokenized_one_at_a_time_on_their_own_thread(demo_model_dir, tokenizer, engines):
+    recording = ThreadRecordingTokenizer(tokenizer)
+    backends = {tier: EngineBackend(engine) for tier, engine in engines.items()}
+    large = "a " * (LARGE_PROMPT_CHARS // 2 + 1)
+    with serving(create_app(router_settings(demo_model_dir), backends, recording)) as url:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(
+                lambda prompt: httpx.post(url + "/v1/completions", timeout=30,
+                                          json={"model": MODEL, "max_tokens": 1, "prompt": prompt}),
+                [large, large, large, "hi"]))
+    assert [a.status_code for a in answers] == [400, 400, 400, 200]  # the large ones exceed the context
+    assert {name for size, name in recording.threads if size > LARGE_PROMPT_CHARS} == {"megaserve-large-prompt_0"}
+    assert all(not name.startswith("megaserve-large-prompt") for size, name in recording.threads if size < 10)
+    assert recording.most_large_at_once == 1
 
 
 def test_prompts_are_tokenized_off_the_event_loop(demo_model_dir, tokenizer, engines):
