@@ -42,7 +42,7 @@ from megaserve.router.openai_schema import (
 )
 from megaserve.router.policy import TIER_HEADER, Admission, Lease, RouterPosition, choose_tier, single_router
 from megaserve.router.responses import ResponseBuilder, served_tier
-from megaserve.router.settings import RouterSettings, capped_by_model, sampling_defaults
+from megaserve.router.settings import MAX_CHOICES, RouterSettings, capped_by_model, sampling_defaults
 from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, disconnect_aware, unless_disconnected
 from megaserve.router.tokenizer import ChatTemplateError, Tokenizer
 
@@ -266,8 +266,8 @@ class _Router:
         self, request: Request, body: GenerationRequest, prompt_ids: list[int], arrival: float, *, chat: bool
     ) -> Response:
         n = body.n or 1
-        if n > self.settings.max_n:
-            raise invalid(f"n is {n}; this server returns at most {self.settings.max_n} choices", "n")
+        if n > MAX_CHOICES:
+            raise invalid(f"n is {n}; this server returns at most {MAX_CHOICES} choices", "n")
         sampling = self._sampling(body, len(prompt_ids))
         route = choose_tier(self.settings, body.service_tier, request.headers.get(TIER_HEADER), len(prompt_ids), n)
         receive = disconnect_aware(request.receive, self.disconnect_errors)

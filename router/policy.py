@@ -35,7 +35,7 @@ from megaserve.monitoring.metrics import QUEUE_DEPTH, ROUTED_REQUESTS
 from megaserve.replicas.protocol import Tier
 from megaserve.router.backend import Backend
 from megaserve.router.errors import APIError, busy, invalid
-from megaserve.router.settings import RouterSettings, router_share
+from megaserve.router.settings import THROUGHPUT_WAIT_SECONDS, RouterSettings, router_share
 
 TIER_HEADER = "x-megaserve-tier"
 ECHOED_HEADER_CHARS = 64  # of a refused header value, in the error: a client may send kilobytes
@@ -171,7 +171,7 @@ class Admission:
         self.slots = {tier: TierSlots(capacity) for tier, (capacity, _) in self._full.items()}
         self._wait_seconds = {
             Tier.LATENCY: settings.latency_wait_seconds,
-            Tier.THROUGHPUT: settings.throughput_wait_seconds,
+            Tier.THROUGHPUT: THROUGHPUT_WAIT_SECONDS,
         }
 
     def deployed(self, tier: Tier) -> bool:

@@ -24,6 +24,10 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt of plain text fi
 DEFAULT_LATENCY_MAX_PROMPT_TOKENS = 4096
 DEFAULT_LATENCY_WAIT_SECONDS = 0.05  # a few batch-1 steps: spill over rather than queue long
 DEFAULT_RETRY_AFTER_SECONDS = 1
+# A throughput request finds a slot at once or gets 429: its replicas queue in their own engine
+# (max_ongoing_requests), so a wait at the router would only add latency.
+THROUGHPUT_WAIT_SECONDS = 0.0
+MAX_CHOICES = 8  # largest `n` (choices per request) accepted; each choice takes one slot
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,8 @@ class RouterSettings:
     # service_tier "auto": longer prompts go to throughput
     latency_max_prompt_tokens: int = DEFAULT_LATENCY_MAX_PROMPT_TOKENS
     latency_wait_seconds: float = DEFAULT_LATENCY_WAIT_SECONDS  # how long a latency request waits for a free slot
-    throughput_wait_seconds: float = 0.0  # how long a throughput request waits for a free slot
     spillover: bool = True  # a latency request that waited in vain runs on throughput instead of 429
     retry_after_seconds: int = DEFAULT_RETRY_AFTER_SECONDS  # Retry-After header of 429 and 503 answers
-    max_n: int = 8  # largest `n` (choices per request) accepted; each choice takes one slot
     created: int = 0  # Unix time shown as the model's `created` in /v1/models
 
     def __post_init__(self) -> None:
@@ -61,15 +63,12 @@ class RouterSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.throughput_capacity == 0 and self.latency_capacity == 0:
             raise ValueError("at least one tier needs capacity")
-        for name in ("latency_wait_seconds", "throughput_wait_seconds"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.latency_wait_seconds < 0:
+            raise ValueError(f"latency_wait_seconds must be >= 0, got {self.latency_wait_seconds}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
-        if self.max_n < 1:
-            raise ValueError(f"max_n must be at least 1, got {self.max_n}")
 
 
 def capped_by_model(settings: RouterSettings) -> RouterSettings:
