@@ -27,8 +27,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from megaserve.replicas.protocol import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# Special tokens that transformers hands to chat templates as variables.
-TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Special tokens that transformers hands to chat templates as variables (its special_tokens_map;
+# transformers 5 no longer passes additional_special_tokens).
+TEMPLATE_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 DEFAULT_TEMPLATE_NAME = "default"
 REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
 # The prompt's ids that the detokenizer decodes before the first generated one (vLLM's offset: 5).

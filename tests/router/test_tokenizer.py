@@ -110,6 +110,19 @@ def test_template_from_chat_template_file_matches_transformers(demo_dir, tmp_pat
     assert text.endswith('    [3] user: "中文?"\n    assistant:\n') and "\nHello.<|eot_id|>\n" in text
 
 
+def test_every_special_token_of_transformers_map_reaches_the_template(demo_dir, tmp_path):
+    shutil.copy(demo_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((demo_dir / "tokenizer_config.json").read_text())
+    config |= {"sep_token": "<|eot_id|>", "cls_token": "<|begin_of_text|>", "mask_token": "<|eot_id|>",
+               "chat_template": "{{ cls_token }}{% for m in messages %}{{ m.content }}{{ sep_token }}{% endfor %}"
+                                "{{ mask_token }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    text = ours.apply_chat_template(CONVERSATION[:1])
+    assert text == theirs.apply_chat_template(CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
+    assert text == "<|begin_of_text|>You are terse. <|eot_id|><|eot_id|>"
+
+
 def test_template_raise_exception_becomes_chat_template_error(ours, theirs):
     messages = [{"role": "tool", "content": "42"}]
     with pytest.raises(ChatTemplateError, match="unknown role tool"):
