@@ -39,6 +39,10 @@ def test_engines_models_kernels_and_bench_import_without_the_serving_stack():
         import megaserve.replicas.models, megaserve.replicas.sampling, megaserve.replicas.bench
         import megaserve.kernels.build, megaserve.kernels.launcher, megaserve.router.tokenizer
         import megaserve.deploy.cli, megaserve.deploy.generate
+        import importlib, pkgutil
+        for package in ("megaserve.replicas.engines", "megaserve.kernels"):  # every engine and kernel module
+            for module in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+                importlib.import_module(module.name)
         print("ok")
     """)
     assert done.returncode == 0, done.stderr
