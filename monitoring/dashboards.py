@@ -162,7 +162,10 @@ def serving() -> dashboard.Dashboard:
             _quantiles("megaserve_inter_token_latency_seconds", MODELS, by_tier, (0.5, 0.99))))
         .with_row(dashboard.Row("Throughput and load"))
         .with_panel(_panel(
-            "Generated tokens/s, by tier", "Output tokens per second summed over replicas.",
+            "Generated tokens/s, by tier",
+            "Output tokens per second that reached the routers, summed over them (a stop string or a client that "
+            "leaves can end a request a step or two after the last counted token), and prompt tokens of the "
+            "requests sent to replicas.",
             "suffix:tok/s",
             [Query(summed_rate("megaserve_generation_tokens_total", MODELS, RATE_WINDOW, by_tier),
                    "{{tier}} generated"),
