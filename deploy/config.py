@@ -26,6 +26,7 @@ from megaserve.router.settings import (
 
 DEMO_MODEL_NAME = "megaserve-demo"
 MAX_PORT = 65535  # TCP's
+TP_SIZES = (1, 2, 4, 8)  # GPUs of one node that a replica's tensor-parallel group may span
 # Longer than a whole 32K-token generation at the megakernel's 8B step time (~4 ms, docs/perf.md);
 # raise it for longer generations, or a batched tier's slower steps.
 DEFAULT_GRACEFUL_SHUTDOWN_SECONDS = 300.0
@@ -144,8 +145,8 @@ class TierCommon(_Strict):
     def _gpu_rules(self):
         if self.device == "cpu" and self.tp_size != 1:
             raise ValueError("tp_size > 1 needs device: cuda")
-        if self.tp_size not in (1, 2, 4, 8):
-            raise ValueError(f"tp_size must be 1, 2, 4 or 8, got {self.tp_size}")
+        if self.tp_size not in TP_SIZES:
+            raise ValueError(f"tp_size must be one of {', '.join(map(str, TP_SIZES))}, got {self.tp_size}")
         if self.device == "cpu" and self.accelerator_type is not None:
             raise ValueError("accelerator_type is only meaningful with device: cuda")
         if self.device == "cpu" and self.nodes_per_replica != 1:

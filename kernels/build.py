@@ -41,6 +41,11 @@ SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inc", ".inl")  # the files a k
 CXX_STANDARD = "c++17"
 # NVRTC's options but the target and the include path (which differ per build and per machine).
 COMPILE_OPTIONS = {"std": CXX_STANDARD}
+# The ELF64 header fields elf_section_size reads (the System V ABI's offsets).
+ELF_MAGIC = b"\x7fELF"
+ELF_CLASS_OFFSET, ELF_CLASS_64 = 4, 2
+ELF64_SECTION_TABLE_OFFSET = 0x28  # e_shoff
+ELF64_SECTION_ENTRY_SIZE_OFFSET = 0x3A  # e_shentsize, then e_shnum and e_shstrndx
 CACHE_FORMAT = 2  # bump when the layout of an entry changes (2: cubins named by their content)
 CUBIN_NAME_DIGITS = 16  # of a cubin's SHA-256 in its file name
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -77,10 +82,10 @@ class CompiledKernel:
 
 def elf_section_size(elf: bytes, name: str) -> int:
     """The size of section `name` of a little-endian ELF64 image (a cubin)."""
-    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+    if elf[: len(ELF_MAGIC)] != ELF_MAGIC or elf[ELF_CLASS_OFFSET] != ELF_CLASS_64:
         raise KernelBuildError("not an ELF64 image")
-    (section_table,) = struct.unpack_from("<Q", elf, 0x28)
-    entry_size, count, names_index = struct.unpack_from("<HHH", elf, 0x3A)
+    (section_table,) = struct.unpack_from("<Q", elf, ELF64_SECTION_TABLE_OFFSET)
+    entry_size, count, names_index = struct.unpack_from("<HHH", elf, ELF64_SECTION_ENTRY_SIZE_OFFSET)
 
     def header(index: int) -> tuple[int, int, int]:  # sh_name, sh_offset, sh_size
         name_offset, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", elf, section_table + index * entry_size)

@@ -34,6 +34,7 @@ STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "mlp")
 FINAL_STAGE = "lm_head"
 LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "q_norm", "k_norm", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 KERNEL_DTYPE = torch.bfloat16
+NS_PER_SECOND = 1e9  # the kernel stamps global_timer_ns()
 LATE_SHARE = 0.1  # StageTimes.late_repeat follows the latest tenth of the grid at each barrier
 
 
@@ -111,12 +112,12 @@ class StageTimes:
             if 0 in arrived:  # the buffer is zeroed once; the kernel stamps every arrival of every launch
                 raise ValueError(f"CTA {list(arrived).index(0)} recorded no arrival at barrier {barrier}")
             kind = STAGES_PER_LAYER[barrier % len(STAGES_PER_LAYER)]
-            seconds[kind] += (stamps[barrier + 1] - stamps[barrier]) * 1e-9
-            tail[kind] += (max(arrived) - statistics.median_low(arrived)) * 1e-9
-            release[kind] += (stamps[barrier + 1] - max(arrived)) * 1e-9
+            seconds[kind] += (stamps[barrier + 1] - stamps[barrier]) / NS_PER_SECOND
+            tail[kind] += (max(arrived) - statistics.median_low(arrived)) / NS_PER_SECOND
+            release[kind] += (stamps[barrier + 1] - max(arrived)) / NS_PER_SECOND
             latest = max(1, round(LATE_SHARE * len(arrived)))
             late[kind].append(set(sorted(range(len(arrived)), key=arrived.__getitem__)[-latest:]))
-        seconds[FINAL_STAGE] = (stamps[-1] - stamps[-2]) * 1e-9
+        seconds[FINAL_STAGE] = (stamps[-1] - stamps[-2]) / NS_PER_SECOND
         late_repeat = {
             kind: statistics.mean(len(now & before) / len(now) for before, now in itertools.pairwise(sets))
             for kind, sets in late.items()

@@ -33,7 +33,7 @@ def test_every_field_has_a_description():
     ({"latency": {"enabled": False}, "throughput": {"enabled": False}}, "at least one"),
     ({"latency": {"engine": "megakernel"}}, "needs latency.device: cuda"),
     ({"latency": {"tp_size": 2}}, "tp_size > 1 needs device: cuda"),
-    ({"latency": {"device": "cuda", "tp_size": 3}}, "tp_size must be 1, 2, 4 or 8"),
+    ({"latency": {"device": "cuda", "tp_size": 3}}, "tp_size must be one of 1, 2, 4, 8"),
     ({"throughput": {"engine": "sglang"}}, "needs throughput.device: cuda"),
     ({"throughput": {"max_batch": 64, "max_ongoing_requests": 8}}, "max_ongoing_requests"),
     ({"model": {"max_context": 4096}}, "shorter than model.max_context"),
