@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.context import _get_global_client  # Serve has no public getter of its HTTP options
 
 from megaserve.deploy.config import AppConfig, LatencyTier, ThroughputTier, TierCommon
@@ -250,28 +250,23 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     process_env = _process_env(config, env)
     directory = model_dir(config, env)
 
-    latency = None
-    if config.latency.enabled:
-        tier = config.latency
-        latency = LatencyReplica.options(
+    def tier_deployment(deployment: Deployment, kind: Tier, tier: TierCommon, engine: str, max_batch: int,
+                        **options: Any) -> Application | None:
+        """The tier's replicas, bound to their spec; None for a tier the config leaves out."""
+        if not tier.enabled:
+            return None
+        return deployment.options(
             num_replicas=tier.num_replicas,
             graceful_shutdown_timeout_s=tier.graceful_shutdown_seconds,
             ray_actor_options=_actor_options(tier, process_env),
             **_placement(tier),
-        ).bind(_replica_spec(Tier.LATENCY, tier, tier.resolved_engine, 1, config, env,
-                            directory))
+            **options,
+        ).bind(_replica_spec(kind, tier, engine, max_batch, config, env, directory))
 
-    throughput = None
-    if config.throughput.enabled:
-        tier = config.throughput
-        throughput = ThroughputReplica.options(
-            num_replicas=tier.num_replicas,
-            max_ongoing_requests=tier.max_ongoing_requests,
-            graceful_shutdown_timeout_s=tier.graceful_shutdown_seconds,
-            ray_actor_options=_actor_options(tier, process_env),
-            **_placement(tier),
-        ).bind(_replica_spec(Tier.THROUGHPUT, tier, tier.engine, tier.max_batch, config, env,
-                            directory))
+    latency = tier_deployment(LatencyReplica, Tier.LATENCY, config.latency, config.latency.resolved_engine, 1)
+    throughput = tier_deployment(ThroughputReplica, Tier.THROUGHPUT, config.throughput, config.throughput.engine,
+                                 config.throughput.max_batch,
+                                 max_ongoing_requests=config.throughput.max_ongoing_requests)
 
     settings = router_settings(config, env, directory)
     return RouterDeployment.options(
