@@ -20,7 +20,8 @@ namespace megakernel {
 
 constexpr int kMaxSplits = 64;       // partial results per query head
 // A split's partial of one query head, in floats: acc[head_dim], then max, sum and 2 floats of
-// padding, so that every partial starts 16 bytes aligned.
+// padding that keep every partial 16 bytes aligned (the launcher sizes the buffer with the same
+// stride: shape.PARTIAL_EXTRA_FLOATS).
 constexpr int kPartialExtraFloats = 4;
 template <class S>
 constexpr int kPartialStride = S::head_dim + kPartialExtraFloats;

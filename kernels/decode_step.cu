@@ -189,10 +189,10 @@ constexpr int kMaxSliceRows =
 
 // Warps per CTA that load their first chunk of O's rows at the barrier after attention: all of
 // them where that chunk is the CTA's whole share of O (Llama-3.2-1B on 132 SMs: 62 rows of 64),
-// so that after the barrier O waits for nothing but the fold (measured on H200, run 82: 1B 1.3-2.1%
+// so that after the barrier O waits for nothing but the fold (measured on H200, run 82: 1B 1.3-2.2%
 // faster than with half); half of them where O has more chunks, as before the other GEMVs
 // (prefetch_weights): all 16 warps' chunks, 8.4 MB over the grid, reach HBM as one burst that
-// the barrier's polls queue behind (the 8B shapes 0.2-1.6% slower with all 16).
+// the barrier's polls queue behind (the 8B shapes up to 1.6% slower with all 16, in 3 cases of 4).
 template <class S>
 __device__ __forceinline__ int o_ahead_warps(const OTile& tile) {
   return tile.channels.rows <= TransposedTiling<S::hidden / kOColumnGroups<S>>::kRowsPerChunk ? kWarps

@@ -1,5 +1,6 @@
-// Batch-1 GEMV building blocks: an activation vector staged in shared memory (optionally RMS-normed
-// on the way), and every warp of the grid streaming pairs of weight rows against it.
+// Batch-1 GEMV building blocks: an activation vector RMS-normed into shared memory and every warp
+// of the grid streaming pairs of weight rows against it, or a CTA's slice of an input against the
+// rows of a transposed weight, added to fp32 sums.
 #pragma once
 #include "common.cuh"
 
@@ -303,8 +304,9 @@ __device__ __forceinline__ void gemv_row_pairs(int num_pairs, CtaRange ctas, con
                     [&](int p, float d0, float d1, int) { epilogue(p, d0, d1); });
 }
 
-// sums (global fp32, [N]) += x . wt over the CTA's `rows` rows: wt is [rows, N] row-major (a
-// GEMV's weight stored transposed, the CTA's rows of it) and x (shared, [rows]) their inputs, so
+// sums (global fp32, [N]) += x . wt over the CTA's `rows` rows: wt is [rows, N], rows kRowStride
+// elements apart (a GEMV's weight stored transposed, the CTA's rows of it, or N columns of them
+// where the CTA adds to a group of the outputs, as O's do) and x (shared, [rows]) their inputs, so
 // sums[n] += sum_r x[r] * wt[r, n], added atomically: each CTA adds the share of every output that
 // its slice of the input contributes. The down projection runs this way on the slice of the MLP
 // activation that the CTA computed itself, so no grid barrier separates gate/up from down.

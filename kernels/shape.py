@@ -165,8 +165,8 @@ class KernelShape:
             )
         if ctas < MIN_CTAS:
             raise UnsupportedShapeError(
-                f"the megakernel keeps each CTA's slice of the MLP in shared memory sized for {MIN_CTAS} SMs or "
-                f"more; this GPU has {ctas}"
+                f"the megakernel keeps each CTA's slices of O's and the MLP's inputs in shared memory sized for "
+                f"{MIN_CTAS} SMs or more; this GPU has {ctas}"
             )
         if self.intermediate < ctas:  # a CTA with no MLP row would prefetch the row before the first
             raise UnsupportedShapeError(
