@@ -120,10 +120,12 @@ def start_router_series(model: str, tiers: tuple[str, ...]) -> None:
     """Every label set of the router's counters and histograms, at zero from the router's start:
     Prometheus takes a series' first sample as its beginning, so rate() and increase() would miss
     whatever a series was created with (the first rejection of a kind, the first request of a tier,
-    its time to first token: the cold one, often the slowest). And each tier's queue depth, so that
-    a queue no request has waited in yet reads 0, not no data."""
+    its time to first token: the cold one, often the slowest). And each tier's gauges at the
+    router's 0 (they sum over live processes): a queue no request has waited in yet, and a tier whose
+    replicas are all restarting (their own series leave with them), read 0, not no data."""
     for tier in tiers:
-        QUEUE_DEPTH.labels(tier=tier, model=model)
+        for gauge in (QUEUE_DEPTH, RUNNING_REQUESTS, BUSY_REPLICAS):
+            gauge.labels(tier=tier, model=model)
         for series in (PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_DURATION):
             series.labels(tier=tier, model=model)
         for reason in ROUTE_REASONS:

@@ -4,7 +4,10 @@ too, so that an empty queue reads 0."""
 
 from __future__ import annotations
 
+import pytest
+
 from megaserve.monitoring.metrics import (
+    BUSY_REPLICAS,
     FINISH_REASONS,
     FINISHED_REQUESTS,
     GENERATION_TOKENS,
@@ -16,6 +19,7 @@ from megaserve.monitoring.metrics import (
     ROUTE_REASONS,
     ROUTED_REQUESTS,
     REQUEST_DURATION,
+    RUNNING_REQUESTS,
     TIME_TO_FIRST_TOKEN,
     start_router_series,
 )
@@ -52,11 +56,12 @@ def test_every_label_set_of_the_router_histograms_starts_at_zero():
         assert counts == {tier: 0.0 for tier in TIERS}, histogram
 
 
-def test_every_tier_s_queue_depth_reads_zero_from_the_start():
+@pytest.mark.parametrize("gauge", [QUEUE_DEPTH, RUNNING_REQUESTS, BUSY_REPLICAS], ids=lambda g: g._name)
+def test_every_tier_s_gauges_read_zero_from_the_router_s_start(gauge):
+    # Summed over live processes: with no replica alive (all restarting) the router's 0 remains.
     start_router_series(MODEL, TIERS)
-    depths = {s.labels["tier"]: s.value for m in QUEUE_DEPTH.collect() for s in m.samples
-              if s.labels.get("model") == MODEL}
-    assert depths == {tier: 0.0 for tier in TIERS}
+    values = {s.labels["tier"]: s.value for m in gauge.collect() for s in m.samples if s.labels.get("model") == MODEL}
+    assert values == {tier: 0.0 for tier in TIERS}
 
 
 def test_the_label_values_are_every_one_the_router_uses():
