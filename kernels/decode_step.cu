@@ -176,8 +176,7 @@ __device__ __forceinline__ OTile o_tile() {
   constexpr int kGroups = kOColumnGroups<S>;
   const int group = blockIdx.x % kGroups, index = blockIdx.x / kGroups;
   const int count = (static_cast<int>(gridDim.x) - group + kGroups - 1) / kGroups;  // the group's CTAs
-  const int first = index * S::q_dim / count;
-  return OTile{CtaSlice{first, (index + 1) * S::q_dim / count - first}, group * (S::hidden / kGroups)};
+  return OTile{slice_of<S::q_dim>(index, count), group * (S::hidden / kGroups)};
 }
 
 template <class S>

@@ -21,15 +21,21 @@ struct RowPair {
   int x1_offset = 0;  // in 16-byte vectors of x
 };
 
-// This CTA's contiguous slice of N items, [c * N / grid, (c + 1) * N / grid) for CTA c.
+// Contiguous slices of N items: slice i of count is [i * N / count, (i + 1) * N / count).
 struct CtaSlice {
   int first, rows;
 };
 
 template <int N>
+__device__ __forceinline__ CtaSlice slice_of(int index, int count) {
+  const int first = index * N / count;
+  return CtaSlice{first, (index + 1) * N / count - first};
+}
+
+// This CTA's slice of N items, one slice per CTA of the grid.
+template <int N>
 __device__ __forceinline__ CtaSlice cta_slice() {
-  const int first = static_cast<int>(blockIdx.x * N / gridDim.x);
-  return CtaSlice{first, static_cast<int>((blockIdx.x + 1) * N / gridDim.x) - first};
+  return slice_of<N>(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
 
 // The residual stream after kProjections projections, in order: bf16(bf16(residual +
