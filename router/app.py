@@ -306,8 +306,7 @@ class _Router:
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except APIError as error:  # from the backend: no replica is running to take the call
-            error.routed = True
-            raise
+            raise _routed(error) from None
         except EngineError as error:
             raise _routed(invalid(str(error))) from None
         except EngineDeadError as error:  # Serve is about to replace the replica: the request itself was fine
@@ -315,8 +314,8 @@ class _Router:
                 f"the {lease.tier.value} replica that took the request is down ({error}); retry later",
                 self.settings.retry_after_seconds, code="engine_dead")) from None
         except GenerationFailed as error:
-            raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", type=SERVER_ERROR,
-                           routed=True) from None
+            raise _routed(APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}",
+                                   type=SERVER_ERROR)) from None
         finally:
             if lease is not None:
                 try:
@@ -326,6 +325,7 @@ class _Router:
 
 
 def _routed(error: APIError) -> APIError:
+    """`error`, raised after admission: counted as its choices' end, not as a rejection."""
     error.routed = True
     return error
 

@@ -27,7 +27,6 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
         reason: str = "invalid",
-        routed: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -39,7 +38,7 @@ class APIError(Exception):
         self.reason = reason  # label of megaserve_rejected_requests_total
         # raised after the request was admitted to a tier: its end is counted as its choices'
         # finish (megaserve_finished_requests, "error"), not again as a rejection
-        self.routed = routed
+        self.routed = False
 
     def body(self) -> dict:
         return {
