@@ -3,9 +3,10 @@
 // Work item (g, s): KV head g (with its `group` query heads, GQA) over key positions of split s.
 // Each warp runs an online softmax over its share of the split's keys; the CTA merges its warps in
 // shared memory and writes one partial (acc[head_dim], max, sum) per query head. No CTA combines
-// the splits: after the grid barrier, each CTA of the O projection folds the splits of just the
-// attention channels it multiplies (fold_channels_to_shared), so the stage ends at its partials'
-// stores, with no split counter and no combine round trips on its path.
+// the splits: once a KV head's splits have counted their partials written, each CTA of the O
+// projection on that head's channels folds the splits of just the attention channels it multiplies
+// (fold_channels_to_shared), so the stage ends at its partials' stores and a count, with no
+// combine round trips on its path.
 // The splits cover the keys of earlier steps, [0, pos). The last split's CTA also RMS-norms
 // (Qwen3), rotates and appends the new key and value to the cache, with a warp that prepares no
 // query head (or the fewest), and that warp folds the new key into its own softmax state from
@@ -343,7 +344,7 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 // i + kFoldLanes, ... kFoldBatch at a time (one L2 round trip for up to kFoldLanes x kFoldBatch
 // splits), folds them, and the channel's lanes then fold their states with shuffles. (A thread
 // holding 16 splits' loads at once spilled beside the O weights that the CTA prefetched at the
-// barrier.) The grid barrier after attention has published the partials.
+// barrier.) The counts of the channels' KV heads' splits (wait_for_attention) have published the partials.
 constexpr int kFoldLanes = 4;
 constexpr int kFoldBatch = 4;
 

@@ -193,12 +193,20 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter) {
 // A wait finer than the grid barrier: a counter that a known set of CTAs each bump once per round
 // after their writes (publish_and_add(counter, 1)), and that a reader of those writes waits on
 // until the round's count. It only grows within a launch; the launch's last CTA zeroes it.
-__device__ __forceinline__ void wait_for_count(const unsigned* counter, unsigned target) {
+// wait_for_counts waits on counters [first, end) at once: thread 0 polls them in turn, then one
+// CTA barrier.
+__device__ __forceinline__ void wait_for_counts(const unsigned* counters, int first, int end, unsigned target) {
   if (threadIdx.x == 0) {
-    while (load_acquire(counter) < target) {
+    for (int i = first; i < end; ++i) {
+      while (load_acquire(counters + i) < target) {
+      }
     }
   }
   __syncthreads();
+}
+
+__device__ __forceinline__ void wait_for_count(const unsigned* counter, unsigned target) {
+  wait_for_counts(counter, 0, 1, target);
 }
 
 __device__ __forceinline__ unsigned long long global_timer_ns() {

@@ -1,8 +1,9 @@
 // The batch-1 decode megakernel: one persistent cooperative launch runs a whole decode step of a
 // Llama 3 / Qwen3 dense model, from the embedding lookup to the greedy argmax.
 //
-// Per layer, four stages separated by grid barriers (every stage needs all of the previous one),
-// except that attention on a KV head waits only for that head's q, k and v rows (HeadRows):
+// Per layer, four stages. Two end at grid barriers (each RMSNorm needs the whole residual stream);
+// attention on a KV head waits only for that head's q, k and v rows (HeadRows), and O on a slice
+// of the attention channels only for the attention of the KV heads those channels belong to:
 //   1. residual + down, RMSNorm (recomputed per CTA into shared memory) + QKV GEMV -> qkv
 //   2. q/k norm (Qwen3) + RoPE + KV-cache append + split attention                -> partials
 //      (RoPE's cos/sin are computed once per step into shared memory: the same for every layer)
@@ -53,8 +54,8 @@ struct ModelShape {
 // Step state in device memory (int32 each).
 enum StateSlot { kStateToken = 0, kStatePos = 1, kStateArgmax = 2, kStateSlots = 4 };
 // Counters in device memory (uint32, zero-initialised once): the grid barrier, the argmax's count,
-// then the counts of CTAs that have written each KV head's QKV rows (one per KV head; zeroed by
-// the step's last CTA).
+// then the counts of CTAs that have written each KV head's QKV rows, then of the attention splits
+// that have written each KV head's partials (kv_heads each; zeroed by the step's last CTA).
 enum CounterSlot { kCounterBarrier = 0, kCounterArgmaxDone = 1, kCounterHeadRows = 2 };
 
 // One layer's weights (bf16, row-major; wo and w_down as their transposes) and KV cache row, as a
@@ -179,6 +180,18 @@ __device__ __forceinline__ OTile o_tile() {
   return OTile{slice_of<S::q_dim>(index, count), group * (S::hidden / kGroups)};
 }
 
+// O on a tile waits for the attention of the KV heads its channels belong to (a KV head's group
+// of query heads is group * head_dim consecutive channels): one or two heads on the 8B and 1B
+// shapes, none for an empty slice. `attended` counts each head's splits that have written their
+// partials.
+template <class S>
+__device__ __forceinline__ void wait_for_attention(const unsigned* attended, const OTile& tile, unsigned target) {
+  constexpr int kHeadChannels = S::group * S::head_dim;
+  const int first = tile.channels.first / kHeadChannels;
+  const int end = tile.channels.rows == 0 ? first : (tile.channels.first + tile.channels.rows - 1) / kHeadChannels + 1;
+  wait_for_counts(attended, first, end, target);
+}
+
 template <class S>
 constexpr int kSlicedInputs =
     S::intermediate > S::q_dim * kOColumnGroups<S> ? S::intermediate : S::q_dim * kOColumnGroups<S>;
@@ -237,7 +250,7 @@ template <class S>
 constexpr bool kQkvRowsToL2 = static_cast<size_t>(S::qkv_dim) * S::hidden * sizeof(bf16) <= kQkvToL2MaxBytes;
 
 constexpr int kStaticSharedLimit = 48 * 1024;
-constexpr int kStagesPerLayer = 4;  // each ends at a grid barrier (QKV: at its KV head's counts)
+constexpr int kStagesPerLayer = 4;  // O and the MLP end at grid barriers, QKV and attention at per-head counts
 
 // A stage ends with every CTA arriving at the grid barrier; `between` runs after this CTA arrives and
 // before it waits (loads that need nothing from the stage), then CTA 0 stamps the next start. (A
@@ -271,15 +284,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   sh.rope.fill(rope_inv_freq, pos);  // published by layer 0's RMSNorm's __syncthreads
   unsigned* barrier = counters + kCounterBarrier;
   unsigned* head_rows_done = counters + kCounterHeadRows;
+  unsigned* head_attended = head_rows_done + S::kv_heads;
   const HeadRows<S> head_rows = HeadRows<S>::of_this_cta();
-  // projection_sums: [4][hidden] fp32: zeros (layer 0's previous down), layer l's down sums in
-  // row 1 + l % 2, then the current layer's O sums. Each CTA zeroes a slice of a row before the
-  // stage that adds to it and after the grid barrier that ends the reads of the values before: a
-  // layer's down row in its O stage (its last reads, as the previous down, were in the layer
-  // before's MLP stage), the O row in the QKV stage (read last in the layer before's MLP stage).
+  // projection_sums: [5][hidden] fp32: zeros (layer 0's previous down), layer l's down sums in
+  // row 1 + l % 2, its O sums in row 3 + l % 2. Each CTA zeroes a slice of a row before the stage
+  // that adds to it, and after the grid barrier that ends the reads of the values before: in layer
+  // l's O stage, layer l's down row (its last reads, as the previous down, were in layer l - 1's
+  // MLP stage) and layer l + 1's O row (read last in layer l - 1's MLP stage; layer l + 1's O adds
+  // come after layer l's barrier before the MLP, where a zeroing in layer l + 1's own QKV stage
+  // would be ordered before them by no barrier). The next step's layer 0 O row: at the LM head.
   const auto down_sums_of = [&](int layer) { return projection_sums + (1 + layer % 2) * S::hidden; };
   const auto previous_down_of = [&](int l) -> const float* { return l == 0 ? projection_sums : down_sums_of(l - 1); };
-  float* o_sums = projection_sums + 3 * S::hidden;
+  const auto o_sums_of = [&](int layer) { return projection_sums + (3 + layer % 2) * S::hidden; };
   const auto zero_slice = [&](float* sums) {
     for (int i = blockIdx.x * kThreads + threadIdx.x; i < S::hidden; i += gridDim.x * kThreads) sums[i] = 0.f;
   };
@@ -322,7 +338,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 [&](int p, float d0, float d1) {
         reinterpret_cast<__nv_bfloat162*>(qkv)[head_rows.stacked(2 * p) / 2] = __floats2bfloat162_rn(d0, d1);
       });
-    zero_slice(o_sums);
     const LayerCache cache{w.k_cache, w.v_cache};
     timer.arrive();
     if (head_rows.computes_rows()) publish_and_add(head_rows_done + head_rows.head, 1u);
@@ -333,26 +348,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (item.valid()) {
       wait_for_count(head_rows_done + item.g, qkv_done);
     } else {
-      // No attention item: the CTA's O prefetch at the next barrier waits until every head's QKV
-      // rows are written, so that its loads do not meet the last QKV CTAs' (run 57: the 8B step
-      // 0.7% faster, 1B's and Qwen3-8B's the same).
-      for (int g = 0; g < S::kv_heads; ++g) wait_for_count(head_rows_done + g, qkv_done);
+      // No attention item: the CTA's O prefetch waits until every head's QKV rows are written, so
+      // that its loads do not meet the last QKV CTAs' (run 57: the 8B step 0.7% faster, 1B's and
+      // Qwen3-8B's the same).
+      wait_for_counts(head_rows_done, 0, S::kv_heads, qkv_done);
     }
     timer.mark();
 
     attention_stage<S>(qkv, cache, w.q_norm, w.k_norm, sh.rope, pos, max_seq, rms_eps, attn_partials, sh.attention);
-    end_stage(timer, barrier, [&] {
-      const OTile tile = o_tile<S>();
-      ahead = prefetch_transposed<kOColumns, S::hidden>(o_rows_of(w, tile), tile.channels.rows, o_ahead_warps<S>(tile));
-    });
+    // O on the CTA's slice of the attention channels waits for its KV heads' splits only; its
+    // first weight chunk is loaded meanwhile.
+    timer.arrive();
+    if (item.valid()) publish_and_add(head_attended + item.g, 1u);
+    const OTile tile = o_tile<S>();
+    ahead = prefetch_transposed<kOColumns, S::hidden>(o_rows_of(w, tile), tile.channels.rows, o_ahead_warps<S>(tile));
+    wait_for_attention<S>(head_attended, tile, (l + 1) * key_splits<S>(pos).splits);
+    timer.mark();
 
     // O over the CTA's slice of the attention channels, folded from the splits' partials.
-    const OTile tile = o_tile<S>();
     fold_channels_to_shared<S>(attn_partials, key_splits<S>(pos).splits, tile.channels.first, tile.channels.rows,
                                sh.slice_in);
     gemv_transposed_rows<kOColumns, S::hidden>(o_rows_of(w, tile), tile.channels.rows, sh.slice_in, ahead,
-                                               o_sums + tile.column, o_ahead_warps<S>(tile));
+                                               o_sums_of(l) + tile.column, o_ahead_warps<S>(tile));
     zero_slice(down_sums_of(l));
+    if (l + 1 < S::layers) zero_slice(o_sums_of(l + 1));
     end_stage(timer, barrier, [&] {
       const CtaSlice slice = cta_slice<S::intermediate>();
       ahead = prefetch_weights<S::hidden>(slice.rows, CtaRange{0, 1}, GateUpSliceRows<S>{w, slice.first});
@@ -361,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The residual stream after attention (each CTA writes its slice of it), RMS-normed; then the
     // CTA's slice of the MLP: gate/up rows into shared memory, then down over them.
     bf16* attended = hidden + (l % 2) * S::hidden;
-    rms_norm_to_shared<S::hidden>(ResidualPlusProjections<2>{residual_of(l), {previous_down_of(l), o_sums}}, w.mlp_norm,
+    rms_norm_to_shared<S::hidden>(ResidualPlusProjections<2>{residual_of(l), {previous_down_of(l), o_sums_of(l)}}, w.mlp_norm,
                                   rms_eps, sh.x, sh.reduce, KeepSlice{attended, cta_slice<S::hidden / kVecElems>()});
     const CtaSlice slice = cta_slice<S::intermediate>();
     gemv_row_pairs<S::hidden>(slice.rows, CtaRange{0, 1}, sh.x, GateUpSliceRows<S>{w, slice.first}, sh.split_sums, ahead,
@@ -387,6 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // argmax (first maximum on ties) matches it.
   rms_norm_to_shared<S::hidden>(ResidualPlusProjections<1>{residual_of(S::layers), {down_sums_of(S::layers - 1)}},
                                 final_norm, rms_eps, sh.x, sh.reduce);
+  zero_slice(o_sums_of(0));
   unsigned long long best = 0;
   gemv_row_pairs<S::hidden>(kLmHeadPairs, whole_grid(), sh.x, LmHeadRows<S>{lm_head}, sh.split_sums, ahead,
                             [&](int p, float d0, float d1) {
@@ -421,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       grid_best = k > grid_best ? k : grid_best;
     }
     grid_best = warp_max(grid_best);
-    for (int g = lane; g < S::kv_heads; g += kWarpSize) head_rows_done[g] = 0;
+    for (int g = lane; g < 2 * S::kv_heads; g += kWarpSize) head_rows_done[g] = 0;  // and head_attended
     if (lane == 0) {
       const int next = argmax_key_index(grid_best);
       state[kStateArgmax] = next;

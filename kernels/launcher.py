@@ -27,8 +27,9 @@ from .shape import MAX_SPLITS, PARTIAL_EXTRA_FLOATS, THREADS, KernelShape
 
 # decode_step.cu's enums and constants, mirrored.
 STATE_TOKEN, STATE_POS, STATE_ARGMAX, STATE_SLOTS = 0, 1, 2, 4
-COUNTER_HEAD_ROWS = 2  # counters: barrier, argmax-done, then one per KV head (its QKV rows done)
-PROJECTION_SUMS_ROWS = 4  # zeros, the down sums of even and odd layers, the O sums
+COUNTER_HEAD_ROWS = 2  # counters: barrier, argmax-done, then per KV head its QKV rows' count, then its splits'
+COUNTERS_PER_KV_HEAD = 2
+PROJECTION_SUMS_ROWS = 5  # zeros, the down sums of even and odd layers, the O sums of even and odd layers
 RESIDUAL_ROWS = 2  # the residual stream after attention, of even and odd layers
 STAGES_PER_LAYER = ("qkv", "attention", "o_proj", "mlp")
 FINAL_STAGE = "lm_head"
@@ -76,10 +77,10 @@ class StageTimes:
     is from the median CTA's arrival at the closing barrier to the last one's (how late the slowest
     CTAs finish: uneven work, or SMs that the memory system served late; from the median, not the
     first arrival, because CTAs with no rows in a GEMV arrive at once), `release` from the last
-    arrival to CTA 0 passing the barrier (its own latency). QKV ends at per-KV-head counts, not a
-    grid barrier: its `release` is from the last CTA of any head to CTA 0 passing the wait for its
-    own head's rows (negative when another head finished later), and attention's tail counts CTAs
-    with no attention work, which arrive before CTA 0 starts it.
+    arrival to CTA 0 passing the barrier (its own latency). QKV and attention end at per-KV-head
+    counts, not grid barriers: their `release` is from the last CTA of any head to CTA 0 passing
+    its own wait (negative when a head that CTA 0 does not wait for finished later), and
+    attention's tail counts CTAs with no attention work, which arrive before CTA 0 starts it.
 
     `late_repeat` says whether a tail is the same CTAs at every layer: of the latest LATE_SHARE of
     the grid at a stage's barrier, the share that were among the latest at the same stage of the
@@ -167,10 +168,10 @@ class DecodeStep:
 
         shape, dev = self.shape, self.device
         self.state = torch.zeros(STATE_SLOTS, dtype=torch.int32, device=dev)
-        self.counters = torch.zeros(COUNTER_HEAD_ROWS + shape.kv_heads, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(COUNTER_HEAD_ROWS + COUNTERS_PER_KV_HEAD * shape.kv_heads, dtype=torch.int32, device=dev)
         self.hidden = torch.empty(RESIDUAL_ROWS, shape.hidden, dtype=KERNEL_DTYPE, device=dev)
         self.qkv = torch.empty(shape.q_dim + 2 * shape.kv_dim, dtype=KERNEL_DTYPE, device=dev)
-        # zeros, then the down projection's fp32 sums of even and odd layers and O's (zeroed by the kernel)
+        # zeros, then the down and O projections' fp32 sums of even and odd layers (zeroed by the kernel)
         self.projection_sums = torch.zeros(PROJECTION_SUMS_ROWS, shape.hidden, dtype=torch.float32, device=dev)
         # per query head and split: acc[head_dim], max, sum and padding
         partials = shape.heads * MAX_SPLITS * (shape.head_dim + PARTIAL_EXTRA_FLOATS)
