@@ -31,7 +31,7 @@ from megaserve.kernels.shape import KernelShape
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import ModelConfig, load_model
-from ..protocol import CoalescePolicy, FinishReason, Tier, context_limit
+from ..protocol import CoalescePolicy, Tier, context_limit
 from ..sampling import SamplingRows, sample
 from .engine_metrics import EngineMetrics
 from .stream import StreamOutbox
@@ -117,8 +117,8 @@ class MegakernelEngine(StepThreadEngine):
 
     # --- the asyncio side ----------------------------------------------------------------------
 
-    def _running_count(self) -> int:
-        return int(self._running is not None)
+    def _running_items(self) -> list[Admission]:
+        return [] if self._running is None else [self._running]
 
     async def shutdown(self) -> None:
         await self._stop_step_thread()
@@ -138,7 +138,7 @@ class MegakernelEngine(StepThreadEngine):
             self.metrics.request_started()
             if not self._serve(item):
                 return  # shut down mid-generation: _abort_all ends the stream
-            self._release()
+            self._release(item)  # cancelled: _deliver released it otherwise
 
     def _serve(self, item: Admission) -> bool:
         """Prefill, then decode until a stop condition or cancellation (True: the stream is done),
@@ -150,8 +150,7 @@ class MegakernelEngine(StepThreadEngine):
         token = self._prefill(prompt, rows)
         seconds = time.perf_counter() - start
         self.metrics.prefill_step(seconds)
-        generated = 1
-        if self._deliver(item, token, seconds, generated):
+        if self._stream(item, token, seconds):
             return True
         self._begin_decode(token, len(prompt), params.greedy)
         while not item.stream.cancelled:
@@ -161,10 +160,16 @@ class MegakernelEngine(StepThreadEngine):
             token = self._decode_step(rows)
             seconds = time.perf_counter() - start
             self.metrics.decode_step(seconds)
-            generated += 1
-            if self._deliver(item, token, seconds, generated):
+            if self._stream(item, token, seconds):
                 return True
         return True
+
+    def _stream(self, item: Admission, token: int, seconds: float) -> bool:
+        """Deliver one token to the client at once; True when it ends the generation."""
+        outbox = StreamOutbox()
+        done = self._deliver(item, token, seconds, outbox)
+        outbox.flush()
+        return done
 
     # The GPU work of a request: everything else in this class is control flow.
 
@@ -194,33 +199,7 @@ class MegakernelEngine(StepThreadEngine):
         self.step.token_slot.copy_(drawn[0])
         return drawn.item()
 
-    def _deliver(self, item: Admission, token: int, seconds: float, generated: int) -> bool:
-        """Stream `token`; True when the generation is over."""
-        outbox = StreamOutbox()
-        outbox.token(item.stream, token, seconds)
-        reason = None
-        if token in item.stop_ids:
-            reason = FinishReason.STOP
-        elif generated >= item.request.sampling.max_tokens:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            outbox.finish(item.stream, reason)
-            self._release()  # before the client can see the end: a new request finds the engine free
-        outbox.flush()
-        return reason is not None
-
-    def _release(self) -> None:
-        if self._running is not None:
+    def _release(self, item: Admission) -> None:
+        if self._running is item:
             self._running = None
             self.metrics.request_ended()
-
-    def _abort_all(self) -> None:
-        """End every stream, running or waiting, with ABORT (shutdown or a failed step)."""
-        self._queue.close()
-        outbox = StreamOutbox()
-        if self._running is not None:
-            outbox.finish(self._running.stream, FinishReason.ABORT, self._failure)
-            self._release()
-        for item in self._queue.drain():
-            outbox.finish(item.stream, FinishReason.ABORT, self._failure)
-        outbox.flush()

@@ -5,8 +5,8 @@ queueing by priority, health, and the request record the step thread works on.
 A subclass sets `vocab_size`, `max_context`, `eos_ids`, `coalesce` and `metrics` (its
 EngineMetrics, whose step records are also health's sign of progress), calls
 `_start_step_thread(name)` last in its constructor, and implements `_step_loop` (returns once the
-queue is closed), `_abort_all` (ends every stream it still holds) and `_running_count`. A step
-that raises ends the engine: the streams end with ABORT and the error, later requests get
+queue is closed; streams each new token through `_deliver`), `_running_items` and `_release`. A
+step that raises ends the engine: the streams end with ABORT and the error, later requests get
 EngineDeadError with it, and health turns unhealthy so that Serve replaces the replica.
 """
 
@@ -28,11 +28,12 @@ from ..protocol import (
     Engine,
     EngineDeadError,
     EngineHealth,
+    FinishReason,
     GenerateRequest,
     StepOutput,
 )
 from .engine_metrics import EngineMetrics
-from .stream import RequestQueue, TokenStream
+from .stream import RequestQueue, StreamOutbox, TokenStream
 
 logger = logging.getLogger(__name__)
 # A running request with no step finished for this long means the step thread is wedged (a hung
@@ -85,12 +86,43 @@ class StepThreadEngine(Engine):
         """Run steps on the engine thread until the queue is closed."""
 
     @abc.abstractmethod
-    def _abort_all(self) -> None:
-        """End every stream still running or waiting with ABORT (and `_failure`, if any)."""
+    def _running_items(self) -> list[Admission]:
+        """Requests being generated now."""
 
     @abc.abstractmethod
+    def _release(self, item: Admission) -> None:
+        """Free what `item` holds (its KV slot) and count it ended; nothing if already released."""
+
     def _running_count(self) -> int:
-        """Requests being generated now."""
+        return len(self._running_items())
+
+    def _deliver(self, item: Admission, token: int, seconds: float, outbox: StreamOutbox) -> bool:
+        """Stream `item`'s newest token; True when it ends the generation (a stop id, or
+        max_tokens), which then finishes the stream and releases the item before `outbox` is
+        flushed, so that a new request finds the engine free once the client sees the end."""
+        item.generated += 1
+        outbox.token(item.stream, token, seconds)
+        if token in item.stop_ids:
+            reason = FinishReason.STOP
+        elif item.generated >= item.request.sampling.max_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            return False
+        outbox.finish(item.stream, reason)
+        self._release(item)
+        return True
+
+    def _abort_all(self) -> None:
+        """End every stream, running or waiting, with ABORT (and `_failure`, if any): shutdown or a
+        failed step."""
+        self._queue.close()
+        outbox = StreamOutbox()
+        for item in self._running_items():
+            outbox.finish(item.stream, FinishReason.ABORT, self._failure)
+            self._release(item)
+        for item in self._queue.drain():
+            outbox.finish(item.stream, FinishReason.ABORT, self._failure)
+        outbox.flush()
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         """Validate now (EngineError at the call, EngineDeadError once a step failed or after

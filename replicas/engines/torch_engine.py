@@ -36,7 +36,7 @@ from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import KVCache, load_model
-from ..protocol import CoalescePolicy, FinishReason, Tier, context_limit
+from ..protocol import CoalescePolicy, Tier, context_limit
 from ..sampling import SamplingTable, sample
 from .engine_metrics import EngineMetrics
 from .stream import StreamOutbox
@@ -110,8 +110,8 @@ class TorchEngine(StepThreadEngine):
 
     # --- the asyncio side ----------------------------------------------------------------------
 
-    def _running_count(self) -> int:
-        return len(self._running)
+    def _running_items(self) -> list[Admission]:
+        return list(self._running.values())
 
     async def shutdown(self) -> None:
         await self._stop_step_thread()
@@ -190,31 +190,10 @@ class TorchEngine(StepThreadEngine):
         for seq, token in zip(batch, token_ids):
             self._deliver(seq, token, seconds, outbox)
 
-    def _deliver(self, seq: Admission, token: int, seconds: float, outbox: StreamOutbox) -> None:
-        seq.generated += 1
-        outbox.token(seq.stream, token, seconds)
-        if token in seq.stop_ids:
-            outbox.finish(seq.stream, FinishReason.STOP)
-            self._release(seq)
-        elif seq.generated >= seq.request.sampling.max_tokens:
-            outbox.finish(seq.stream, FinishReason.LENGTH)
-            self._release(seq)
-
     def _release(self, seq: Admission) -> None:
-        del self._running[seq.slot]
-        self._free_slots.append(seq.slot)
-        self.metrics.request_ended()
-
-    def _abort_all(self) -> None:
-        """End every stream, running or waiting, with ABORT (shutdown or a failed step)."""
-        self._queue.close()
-        outbox = StreamOutbox()
-        for seq in list(self._running.values()):
-            outbox.finish(seq.stream, FinishReason.ABORT, self._failure)
-            self._release(seq)
-        for seq in self._queue.drain():
-            outbox.finish(seq.stream, FinishReason.ABORT, self._failure)
-        outbox.flush()
+        if self._running.pop(seq.slot, None) is seq:
+            self._free_slots.append(seq.slot)
+            self.metrics.request_ended()
 
     def _to_device(self, values: Sequence[int]) -> torch.Tensor:
         """int64 [len(values)] on the device; from pinned memory without blocking on a GPU."""
