@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
+from megaserve.router.openai_schema import MAX_MESSAGES
 
 from .conftest import MODEL
 
@@ -36,6 +37,7 @@ BAD_REQUESTS = {
     "unknown model": (CHAT, chat(model="gpt-5"), 404, "model"),
     "messages not a list": (CHAT, chat(messages="hi"), 400, "messages"),
     "empty messages": (CHAT, chat(messages=[]), 400, "messages"),
+    "more messages than the limit": (CHAT, chat(messages=HI * (MAX_MESSAGES + 1)), 400, "messages"),
     "unknown role": (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0.role"),
     "image content": (CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages.0.content.0"),

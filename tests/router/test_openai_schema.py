@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from megaserve.router.openai_schema import UNSUPPORTED_PARAMETER, ChatMessage
+from megaserve.router.openai_schema import MAX_MESSAGES, UNSUPPORTED_PARAMETER, ChatCompletionRequest, ChatMessage
 from megaserve.router.tokenizer import Tokenizer
 from tests.model_factory import sentencepiece_style_tokenizer
 
@@ -37,3 +37,14 @@ def test_an_assistant_message_s_tool_calls_are_refused_not_dropped_from_the_prom
 def test_an_assistant_message_without_tool_calls_is_served(field, value):
     message = ChatMessage.model_validate({"role": "assistant", "content": "ok", field: value})
     assert message.template_message() == {"role": "assistant", "content": "ok"}
+
+
+def test_a_conversation_of_the_most_messages_is_valid_and_one_more_is_not():
+    def body(count: int) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": "hi"}] * count}
+
+    assert len(ChatCompletionRequest.model_validate(body(MAX_MESSAGES)).messages) == MAX_MESSAGES
+    with pytest.raises(ValidationError) as raised:
+        ChatCompletionRequest.model_validate(body(MAX_MESSAGES + 1))
+    (error,) = raised.value.errors()
+    assert error["type"] == "too_long" and error["loc"] == ("messages",)
