@@ -12,6 +12,7 @@ reason in `x-megaserve-route-reason`. Every refusal is an OpenAI-style error JSO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -80,7 +81,7 @@ def create_app(
     settings = capped_by_model(settings)
     router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir), position,
                      disconnect_errors)
-    app = FastAPI(title="megaserve", openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="megaserve", openapi_url=None, docs_url=None, redoc_url=None, lifespan=router.lifespan)
     app.state.router = router
     app.add_exception_handler(APIError, router.error_response)
     app.add_exception_handler(StarletteHTTPException, _http_error_response)
@@ -104,6 +105,13 @@ class _Router:
         self.admission = Admission(settings, backends, position)
         self.sampling_defaults = sampling_defaults(settings.model_dir)
         self._large_prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaserve-large-prompt")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncGenerator[None, None]:
+        """The app's life: when it shuts down, the large prompts' thread ends (a prompt it was
+        tokenizing runs out; those still waiting for it are cancelled)."""
+        yield
+        self._large_prompts.shutdown(wait=False, cancel_futures=True)
 
     # --- endpoints -------------------------------------------------------------------------
 

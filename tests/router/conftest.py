@@ -66,9 +66,10 @@ def router_settings(model_dir: str, **overrides) -> RouterSettings:
 
 
 @contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """Run `app` on uvicorn in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+def serving(app, lifespan: str = "off") -> Iterator[str]:
+    """Run `app` on uvicorn in a thread (with its lifespan's startup and shutdown if `lifespan` is
+    "on"); yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + SERVER_START_SECONDS

@@ -505,6 +505,24 @@ def test_large_prompts_are_tokenized_one_at_a_time_on_their_own_thread(demo_mode
     assert recording.most_large_at_once == 1
 
 
+def _large_prompt_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("megaserve-large-prompt")}
+
+
+def test_the_large_prompts_thread_ends_when_the_app_shuts_down(demo_model_dir, tokenizer, engines):
+    backends = {tier: EngineBackend(engine) for tier, engine in engines.items()}
+    app = create_app(router_settings(demo_model_dir), backends, tokenizer)
+    other_apps = _large_prompt_threads()  # of earlier tests' apps, which never shut down
+    with serving(app, lifespan="on") as url:
+        response = httpx.post(url + "/v1/completions", timeout=30,
+                              json={"model": MODEL, "max_tokens": 1, "prompt": "a " * (LARGE_PROMPT_CHARS // 2 + 1)})
+        assert response.status_code == 400  # tokenized on that thread, then too long for the context
+        (thread,) = _large_prompt_threads() - other_apps
+        assert thread.is_alive()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def test_prompts_are_tokenized_off_the_event_loop(demo_model_dir, tokenizer, engines):
     """A long prompt's tokenization would stall every other stream of the router: the app hands it
     to a worker thread (the tokenizer's own test shows that such a thread leaves the loop free)."""
