@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaserve.replicas.engines.tp_reference import (
+from .tp_reference import (
     LocalGroup,
     RankDecoder,
     combine_argmax,

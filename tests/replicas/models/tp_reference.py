@@ -33,9 +33,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from ..models.decoder import EMBED_NAME, FINAL_NORM_NAME, LAYER_NAMES, LAYER_PREFIX, LM_HEAD_NAME, Model, load_model
-from ..models.rope import rope_cos_sin
-from ..models.sharding import RankShard, shard_model
+from megaserve.replicas.models.decoder import (
+    EMBED_NAME,
+    FINAL_NORM_NAME,
+    LAYER_NAMES,
+    LAYER_PREFIX,
+    LM_HEAD_NAME,
+    Model,
+    load_model,
+)
+from megaserve.replicas.models.rope import rope_cos_sin
+from megaserve.replicas.models.sharding import RankShard, shard_model
 
 GLOO_BACKEND = "gloo"
 STORE_FILE = "rendezvous"  # the file:// store the spawned ranks meet at
