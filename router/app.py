@@ -58,10 +58,13 @@ UNION_TAG_TYPES = {"str", "int", "float", "bool"}
 # A client chooses the names of the fields it sends: the log line of ignored ones stays bounded.
 LOGGED_FIELD_NAMES = 8
 LOGGED_NAME_CHARS = 64
-# Prompts of more characters than this are tokenized one at a time, on a thread of their own: a few
-# near the body limit (4 MB, a second or more each, and hundreds of MB while they last) would
-# otherwise hold every worker thread that the other requests' prompts are tokenized on.
-LARGE_PROMPT_CHARS = 64 * 1024
+# Bodies and prompts of more characters than this are validated and tokenized one at a time, on a
+# thread of their own. Validated on the event loop, a body near the limit (4 MB) could hold every
+# stream of the router for seconds (4,096 chat messages of 32 content parts each: 0.8 s, 4 s
+# where every part is refused); a few such prompts, a second or more each and hundreds of MB while
+# they last, would otherwise hold every worker thread that the other requests' prompts are
+# tokenized on.
+LARGE_REQUEST_CHARS = 64 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +107,14 @@ class _Router:
         self.tokenizer = tokenizer
         self.admission = Admission(settings, backends, position)
         self.sampling_defaults = sampling_defaults(settings.model_dir)
-        self._large_prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaserve-large-prompt")
+        self._large_requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaserve-large-request")
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncGenerator[None, None]:
-        """The app's life: when it shuts down, the large prompts' thread ends (a prompt it was
-        tokenizing runs out; those still waiting for it are cancelled)."""
+        """The app's life: when it shuts down, the large requests' thread ends once it has done
+        the work queued for it. (uvicorn and Ray Serve shut an app down after its requests.)"""
         yield
-        self._large_prompts.shutdown(wait=False, cancel_futures=True)
+        self._large_requests.shutdown(wait=False)
 
     # --- endpoints -------------------------------------------------------------------------
 
@@ -128,10 +131,10 @@ class _Router:
 
     async def _tokenize(self, characters: int, tokenize: Callable[..., list[int]], *args) -> list[int]:
         """tokenize(*args) in a worker thread (a long prompt must not stall every other stream of this
-        router), on the large prompts' own thread where the prompt has more than LARGE_PROMPT_CHARS
+        router), on the large requests' own thread where the prompt has more than LARGE_REQUEST_CHARS
         characters."""
-        if characters > LARGE_PROMPT_CHARS:
-            return await asyncio.get_running_loop().run_in_executor(self._large_prompts, tokenize, *args)
+        if characters > LARGE_REQUEST_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(self._large_requests, tokenize, *args)
         return await asyncio.to_thread(tokenize, *args)
 
     def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -202,7 +205,11 @@ class _Router:
         except UnicodeDecodeError as error:
             raise invalid(f"the body is not valid UTF-8 (byte {error.start})") from None
         try:
-            body = schema.model_validate_json(text)
+            if len(text) > LARGE_REQUEST_CHARS:
+                body = await asyncio.get_running_loop().run_in_executor(self._large_requests,
+                                                                        schema.model_validate_json, text)
+            else:
+                body = schema.model_validate_json(text)
         except ValidationError as error:
             raise _validation_error(error) from None
         self._check_model(body.model)

@@ -20,9 +20,10 @@ from prometheus_client import REGISTRY
 from ray.exceptions import TaskCancelledError
 
 from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier
-from megaserve.router.app import LARGE_PROMPT_CHARS, SPILLOVER_PRIORITY, create_app
+from megaserve.router.app import LARGE_REQUEST_CHARS, SPILLOVER_PRIORITY, create_app
 from megaserve.router.backend import EngineBackend
 from megaserve.router.errors import UNAVAILABLE, busy
+from megaserve.router.openai_schema import ChatCompletionRequest
 
 from .conftest import (
     LATENCY_MAX_PROMPT_TOKENS,
@@ -473,7 +474,7 @@ class ThreadRecordingTokenizer:
         return getattr(self.inner, name)
 
     def encode(self, text, *args, **kwargs):
-        large = len(text) > LARGE_PROMPT_CHARS
+        large = len(text) > LARGE_REQUEST_CHARS
         with self.lock:
             self.large_running += large
             self.most_large_at_once = max(self.most_large_at_once, self.large_running)
@@ -492,7 +493,7 @@ ENCODE_HOLD_SECONDS = 0.2
 def test_large_prompts_are_tokenized_one_at_a_time_on_their_own_thread(demo_model_dir, tokenizer, engines):
     recording = ThreadRecordingTokenizer(tokenizer)
     backends = {tier: EngineBackend(engine) for tier, engine in engines.items()}
-    large = "a " * (LARGE_PROMPT_CHARS // 2 + 1)
+    large = "a " * (LARGE_REQUEST_CHARS // 2 + 1)
     with serving(create_app(router_settings(demo_model_dir), backends, recording)) as url:
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(
@@ -500,24 +501,48 @@ def test_large_prompts_are_tokenized_one_at_a_time_on_their_own_thread(demo_mode
                                           json={"model": MODEL, "max_tokens": 1, "prompt": prompt}),
                 [large, large, large, "hi"]))
     assert [a.status_code for a in answers] == [400, 400, 400, 200]  # the large ones exceed the context
-    assert {name for size, name in recording.threads if size > LARGE_PROMPT_CHARS} == {"megaserve-large-prompt_0"}
-    assert all(not name.startswith("megaserve-large-prompt") for size, name in recording.threads if size < 10)
+    assert {name for size, name in recording.threads if size > LARGE_REQUEST_CHARS} == {"megaserve-large-request_0"}
+    assert all(not name.startswith("megaserve-large-request") for size, name in recording.threads if size < 10)
     assert recording.most_large_at_once == 1
 
 
-def _large_prompt_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name.startswith("megaserve-large-prompt")}
+def test_large_bodies_are_validated_on_the_large_requests_thread(demo_model_dir, tokenizer, engines, monkeypatch):
+    """Validating a body near the size limit can take seconds (many messages of many content parts):
+    on the event loop it would stall every stream of the router."""
+    threads: list[tuple[int, str]] = []  # (body characters, thread name)
+    validate = ChatCompletionRequest.model_validate_json
+
+    def recording_validate(text, *args, **kwargs):
+        threads.append((len(text), threading.current_thread().name))
+        return validate(text, *args, **kwargs)
+
+    monkeypatch.setattr(ChatCompletionRequest, "model_validate_json", recording_validate)
+    backends = {tier: EngineBackend(engine) for tier, engine in engines.items()}
+    parts = [{"type": "text", "text": "a"}] * (LARGE_REQUEST_CHARS // 20)
+    with serving(create_app(router_settings(demo_model_dir), backends, tokenizer)) as url:
+        small = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": HELLO})
+        large = httpx.post(url + "/v1/chat/completions", timeout=30,
+                           json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": parts}]})
+    assert small.status_code == 200, small.text
+    assert large.json()["error"]["code"] == "context_length_exceeded"  # valid, then too long for the model
+    (small_size, small_thread), (large_size, large_thread) = threads
+    assert small_size < LARGE_REQUEST_CHARS < large_size
+    assert not small_thread.startswith("megaserve-large-request") and large_thread == "megaserve-large-request_0"
 
 
-def test_the_large_prompts_thread_ends_when_the_app_shuts_down(demo_model_dir, tokenizer, engines):
+def _large_request_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("megaserve-large-request")}
+
+
+def test_the_large_requests_thread_ends_when_the_app_shuts_down(demo_model_dir, tokenizer, engines):
     backends = {tier: EngineBackend(engine) for tier, engine in engines.items()}
     app = create_app(router_settings(demo_model_dir), backends, tokenizer)
-    other_apps = _large_prompt_threads()  # of earlier tests' apps, which never shut down
+    other_apps = _large_request_threads()  # of earlier tests' apps, which never shut down
     with serving(app, lifespan="on") as url:
         response = httpx.post(url + "/v1/completions", timeout=30,
-                              json={"model": MODEL, "max_tokens": 1, "prompt": "a " * (LARGE_PROMPT_CHARS // 2 + 1)})
+                              json={"model": MODEL, "max_tokens": 1, "prompt": "a " * (LARGE_REQUEST_CHARS // 2 + 1)})
         assert response.status_code == 400  # tokenized on that thread, then too long for the context
-        (thread,) = _large_prompt_threads() - other_apps
+        (thread,) = _large_request_threads() - other_apps
         assert thread.is_alive()
     thread.join(timeout=10)
     assert not thread.is_alive()

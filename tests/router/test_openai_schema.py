@@ -1,4 +1,5 @@
-"""Chat messages as the chat template sees them, and the message fields that are refused."""
+"""Chat messages as the chat template sees them, the message fields that are refused, and how many
+messages a chat may hold."""
 
 from __future__ import annotations
 
