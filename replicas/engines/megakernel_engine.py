@@ -118,7 +118,8 @@ class MegakernelEngine(StepThreadEngine):
     # --- the asyncio side ----------------------------------------------------------------------
 
     def _running_items(self) -> list[Admission]:
-        return [] if self._running is None else [self._running]
+        running = self._running  # read once: the step thread may clear it meanwhile
+        return [] if running is None else [running]
 
     async def shutdown(self) -> None:
         await self._stop_step_thread()

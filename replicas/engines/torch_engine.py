@@ -191,7 +191,8 @@ class TorchEngine(StepThreadEngine):
             self._deliver(seq, token, seconds, outbox)
 
     def _release(self, seq: Admission) -> None:
-        if self._running.pop(seq.slot, None) is seq:
+        if self._running.get(seq.slot) is seq:  # not a later request that took the slot since
+            del self._running[seq.slot]
             self._free_slots.append(seq.slot)
             self.metrics.request_ended()
 

@@ -1,6 +1,6 @@
 """Tensor-parallel greedy decode on the CPU: the oracle that a multi-GPU megakernel must match.
 
-Every rank holds its shard (`models/sharding.py`) and its own KV cache for the KV heads it holds,
+Every rank holds its shard (`replicas/models/sharding.py`) and its own KV cache for the KV heads it holds,
 and runs one step exactly as a GPU of the group would:
 
     hidden = embed[token]                                   [T, H], the same on every rank
