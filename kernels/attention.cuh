@@ -343,8 +343,8 @@ __device__ void attention_stage(const bf16* qkv, const LayerCache cache, const b
 // channel, so that a round covers kThreads / kFoldLanes channels: lane i loads splits i,
 // i + kFoldLanes, ... kFoldBatch at a time (one L2 round trip for up to kFoldLanes x kFoldBatch
 // splits), folds them, and the channel's lanes then fold their states with shuffles. (A thread
-// holding 16 splits' loads at once spilled beside the O weights that the CTA prefetched at the
-// barrier.) The counts of the channels' KV heads' splits (wait_for_attention) have published the partials.
+// holding 16 splits' loads at once spilled beside the O weights that the CTA prefetched while it
+// waited.) The counts of the channels' KV heads' splits (wait_for_attention) have published the partials.
 constexpr int kFoldLanes = 4;
 constexpr int kFoldBatch = 4;
 

@@ -17,7 +17,8 @@
 // CTA to finish reduces them and advances the step state. Position and input token are read from
 // device memory, so one captured CUDA graph of this launch replays for every step.
 // Weights need nothing from the stage before them, so each GEMV's first weight chunk per warp is
-// loaded while its CTA waits at the grid barrier in front of it (prefetch_weights), and so is the
+// loaded while its CTA waits at the grid barrier or the counts in front of it (prefetch_weights,
+// prefetch_transposed), and so is the
 // first block of keys and values of each warp's attention while the CTA waits for its head's QKV
 // rows (issue_first_block: a split's keys come from earlier steps); a residual
 // that an epilogue adds is loaded before the dot product it waits for (gemv_row_pairs' operand).
@@ -199,12 +200,14 @@ template <class S>
 constexpr int kMaxSliceRows =
     ((kSlicedInputs<S> + kMinCtas - 1) / kMinCtas + kSliceRowsAlign - 1) / kSliceRowsAlign * kSliceRowsAlign;
 
-// Warps per CTA that load their first chunk of O's rows at the barrier after attention: all of
-// them where that chunk is the CTA's whole share of O (Llama-3.2-1B on 132 SMs: 62 rows of 64),
-// so that after the barrier O waits for nothing but the fold (measured on H200, run 82: 1B 1.3-2.2%
-// faster than with half); half of them where O has more chunks, as before the other GEMVs
-// (prefetch_weights): all 16 warps' chunks, 8.4 MB over the grid, reach HBM as one burst that
-// the barrier's polls queue behind (the 8B shapes up to 1.6% slower with all 16, in 3 cases of 4).
+// Warps per CTA that load their first chunk of O's rows while it waits for its KV heads'
+// attention: all of them where that chunk is the CTA's whole share of O (Llama-3.2-1B on 132 SMs:
+// 62 rows of 64), so that after the wait O waits for nothing but the fold (measured on H200, run
+// 82: 1B 1.3-2.2% faster than with half); half of them where O has more chunks, as before the
+// other GEMVs (prefetch_weights): all 16 warps' chunks, 8.4 MB over the grid, reach HBM as one
+// burst that the waits' polls queue behind (run 82, behind a grid barrier: the 8B shapes up to 1.6%
+// slower with all 16 in 3 cases of 4; run 85, behind per-head counts: O shorter and attention as
+// much longer, within 0.2%).
 template <class S>
 __device__ __forceinline__ int o_ahead_warps(const OTile& tile) {
   return tile.channels.rows <= TransposedTiling<S::hidden / kOColumnGroups<S>>::kRowsPerChunk ? kWarps

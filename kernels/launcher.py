@@ -171,7 +171,8 @@ class DecodeStep:
         self.counters = torch.zeros(COUNTER_HEAD_ROWS + COUNTERS_PER_KV_HEAD * shape.kv_heads, dtype=torch.int32, device=dev)
         self.hidden = torch.empty(RESIDUAL_ROWS, shape.hidden, dtype=KERNEL_DTYPE, device=dev)
         self.qkv = torch.empty(shape.q_dim + 2 * shape.kv_dim, dtype=KERNEL_DTYPE, device=dev)
-        # zeros, then the down and O projections' fp32 sums of even and odd layers (zeroed by the kernel)
+        # zeros, then the down and O projections' fp32 sums of even and odd layers: zero here, as the
+        # first step's layer 0 needs them (row 0 always; the kernel zeroes each row before its next use)
         self.projection_sums = torch.zeros(PROJECTION_SUMS_ROWS, shape.hidden, dtype=torch.float32, device=dev)
         # per query head and split: acc[head_dim], max, sum and padding
         partials = shape.heads * MAX_SPLITS * (shape.head_dim + PARTIAL_EXTRA_FLOATS)

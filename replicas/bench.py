@@ -17,7 +17,7 @@ reached and its time over the floor (bytes / measured bandwidth), and its closin
 into the tail of the CTAs' arrivals (median to last) and the release after the last one; the cost
 of one grid barrier alone (kernels/barrier_probe.py) is measured in the same run. Under each stage
 table, the streaming probe (kernels/barrier_probe.py, `streaming_ceiling`): the same bytes streamed
-with 0, 2 (the fewest a dense layer allows), 3 (the megakernel's) or 4 grid barriers per layer and
+with 0, 2 (the fewest a dense layer allows, and the megakernel's), 3 or 4 grid barriers per layer and
 nothing else between the loads, the fastest that a kernel with those edges could be; and the same
 bytes loaded by a loader warp per SM
 into a ring of shared memory that never waits at the barriers (`ring_streaming`), what a kernel
@@ -182,7 +182,8 @@ def streaming_ceiling(config: ModelConfig, context_len: int, kernel_cache: Kerne
             for count in STREAM_BARRIERS_PER_LAYER}
 
 
-# Grid barriers per layer of the ring probe: none (the ring's own rate) and the megakernel's three.
+# Grid barriers per layer of the ring probe: none (the ring's own rate) and three, the megakernel's
+# until O waited per KV head (docs/perf.md runs 77-84 compare the ring with the plain probe there).
 RING_BARRIERS_PER_LAYER = (0, 3)
 
 
