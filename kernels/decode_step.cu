@@ -18,10 +18,10 @@
 // device memory, so one captured CUDA graph of this launch replays for every step.
 // Weights need nothing from the stage before them, so each GEMV's first weight chunk per warp is
 // loaded while its CTA waits at the grid barrier or the counts in front of it (prefetch_weights,
-// prefetch_transposed), and so is the
-// first block of keys and values of each warp's attention while the CTA waits for its head's QKV
-// rows (issue_first_block: a split's keys come from earlier steps); a residual
-// that an epilogue adds is loaded before the dot product it waits for (gemv_row_pairs' operand).
+// prefetch_transposed), and so is the first block of keys and values of each warp's attention
+// while the CTA waits for its head's QKV rows (issue_first_block: a split's keys come from earlier
+// steps); a residual that an epilogue adds is loaded before the dot product it waits for
+// (gemv_row_pairs' operand).
 // Where the QKV projection is small beside L2, the rest of the next layer's QKV rows is fetched
 // into L2 at the MLP's closing barrier (kQkvRowsToL2).
 #include "attention.cuh"

@@ -61,9 +61,10 @@ LOGGED_NAME_CHARS = 64
 # Bodies and prompts of more characters than this are validated and tokenized one at a time, on a
 # thread of their own. Validated on the event loop, a body near the limit (4 MB) could hold every
 # stream of the router for seconds (4,096 chat messages of 32 content parts each: 0.8 s, 4 s
-# where every part is refused); a few such prompts, a second or more each and hundreds of MB while
-# they last, would otherwise hold every worker thread that the other requests' prompts are
-# tokenized on.
+# where every part is refused; on this thread the loop waits at most ~0.1 s at a time, while the
+# validator holds the GIL between its Python calls); a few such prompts, a second or more each and
+# hundreds of MB while they last, would otherwise hold every worker thread that the other requests'
+# prompts are tokenized on.
 LARGE_REQUEST_CHARS = 64 * 1024
 
 log = logging.getLogger(__name__)
