@@ -85,9 +85,9 @@ def test_a_metrics_folder_that_cannot_be_made_is_one_message(tmp_path):
     taken = tmp_path / "a-file"
     taken.write_text("")
     path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump({"http_options": {"port": free_port()},  # checked before the folder
-                                    "applications": [{"import_path": BUILDER,
-                                                      "args": {"metrics": {"multiproc_dir": str(taken)}}}]}))
+    path.write_text(yaml.safe_dump({"http_options": {"port": free_port()},  # ports are checked before the folder
+                                    "applications": [{"import_path": BUILDER, "args": {"metrics": {
+                                        "port": free_port(), "multiproc_dir": str(taken)}}}]}))
     done = _up(path)
     assert done.returncode == 2
     assert "File exists" in done.stderr and "Traceback" not in done.stderr
