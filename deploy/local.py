@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import json
 import importlib.util
 import os
 import signal
@@ -16,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -28,6 +30,11 @@ from megaserve.deploy.config import MAX_PORT, AppConfig
 from megaserve.deploy.env import Environment
 
 STATUS_POLL_SECONDS = 0.5
+# Serve's HTTP proxy answers this path with the routes it serves now, {route prefix: app name}. An
+# app is RUNNING in serve.status() before the proxy has its route: a request then gets 404.
+ROUTES_PATH = "/-/routes"
+ROUTES_TIMEOUT_SECONDS = 2.0
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # bound to all: ask locally
 PROC_ROOT = "/proc"  # this node's processes, the megaserve ones among them
 DRAIN_MARGIN_SECONDS = 5.0  # Serve's own steps past the replicas' graceful time, as the apps are deleted
 RUNNING, DEPLOY_FAILED = "RUNNING", "DEPLOY_FAILED"  # Serve's ApplicationStatus values
@@ -256,6 +263,19 @@ def app_urls(http: dict[str, Any], applications: list[dict[str, Any]]) -> list[s
     return [f"{base}{prefix.rstrip('/')}/v1" for prefix in prefixes if prefix is not None]
 
 
+def proxy_routes_apps(http: dict[str, Any], names: list[str]) -> bool:
+    """Whether the HTTP proxy on this node routes every app of `names` (False while it cannot
+    answer)."""
+    host = WILDCARD_HOSTS.get(http["host"], http["host"])
+    url = f"http://[{host}]:{http['port']}" if ":" in host else f"http://{host}:{http['port']}"
+    try:
+        with urllib.request.urlopen(url + ROUTES_PATH, timeout=ROUTES_TIMEOUT_SECONDS) as response:
+            routed = set(json.loads(response.read()).values())
+    except (OSError, ValueError):  # not listening yet, 503 while unhealthy, or not JSON
+        return False
+    return set(names) <= routed
+
+
 def _deployment_progress(status) -> str:
     parts = []
     for app_name, app in status.applications.items():
@@ -324,6 +344,9 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
             _say(f"deploying failed: {error}")
             return 1
         deadline = time.monotonic() + timeout  # --timeout: for the replicas, not for Ray's start
+        # ready once the proxy routes them too (none to wait for without a proxy)
+        routed_names = [] if config.get("proxy_location") == "Disabled" else [
+            name for app, name in zip(applications, names) if app.get("route_prefix", "/") is not None]
         last = ""
         while True:
             if stop.is_set():  # SIGTERM while deploying: stop now, not once the app is ready
@@ -335,7 +358,7 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
                 _say(progress)
                 last = progress
             states = [status.applications[n].status.value if n in status.applications else "" for n in names]
-            if all(state == RUNNING for state in states):
+            if all(state == RUNNING for state in states) and (not routed_names or proxy_routes_apps(http, routed_names)):
                 break
             if DEPLOY_FAILED in states or time.monotonic() > deadline:
                 _say("the app did not start; see the messages above and Ray's logs")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
+import json
 import socket
+import threading
 import subprocess
 import sys
 
@@ -14,6 +17,8 @@ from megaserve.deploy.config import AppConfig
 from megaserve.deploy.env import Environment
 from megaserve.deploy.builder import build_app
 from megaserve.deploy.local import (
+    ROUTES_PATH,
+    proxy_routes_apps,
     _builder,
     _prepare_node,
     app_urls,
@@ -334,3 +339,36 @@ def test_what_one_node_cannot_place_is_refused_before_ray_starts(tiers, message,
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else find_spec(name, *a))
     with pytest.raises(ValueError, match=message):
         refuse_what_this_machine_cannot_run([_cuda_app(**tiers)], gpus_here=8, cpus_here=64)
+
+
+class _RoutesProxy(http.server.BaseHTTPRequestHandler):
+    """Answers ROUTES_PATH as Serve's proxy does: the server's `routes` as JSON, or `status`."""
+
+    def do_GET(self) -> None:
+        status, routes = self.server.status, self.server.routes
+        body = json.dumps(routes).encode() if self.path == ROUTES_PATH and status == 200 else b"not ready"
+        self.send_response(status if self.path == ROUTES_PATH else 404)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_up_is_ready_only_once_the_proxy_routes_every_app():
+    assert not proxy_routes_apps({"host": "127.0.0.1", "port": free_port()}, ["default"])  # nothing listens
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RoutesProxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        bound_to_all = {"host": "0.0.0.0", "port": server.server_address[1]}  # asked on the loopback
+        server.status, server.routes = 503, {}
+        assert not proxy_routes_apps(bound_to_all, ["default"])  # the proxy is not healthy yet
+        server.status = 200
+        assert not proxy_routes_apps(bound_to_all, ["default"])  # RUNNING, but not routed yet
+        server.routes = {"/": "default"}
+        assert proxy_routes_apps(bound_to_all, ["default"])
+        assert not proxy_routes_apps(bound_to_all, ["default", "second"])
+    finally:
+        server.shutdown()
+        server.server_close()
