@@ -358,7 +358,8 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
                 _say(progress)
                 last = progress
             states = [status.applications[n].status.value if n in status.applications else "" for n in names]
-            if all(state == RUNNING for state in states) and (not routed_names or proxy_routes_apps(http, routed_names)):
+            running = all(state == RUNNING for state in states)
+            if running and (not routed_names or proxy_routes_apps(http, routed_names)):
                 break
             if DEPLOY_FAILED in states or time.monotonic() > deadline:
                 _say("the app did not start; see the messages above and Ray's logs")
