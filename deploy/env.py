@@ -5,7 +5,8 @@ torch and cuda-python but no pydantic or Ray. Everything below deploy/ receives 
 explicit arguments; nothing else reads a `MEGASERVE_` variable. Variables of megaserve's
 dependencies are set elsewhere, by their owners' rules, and are no settings of megaserve's:
 PROMETHEUS_MULTIPROC_DIR (set for every replica from `metrics.multiproc_dir` by the builder; read by
-prometheus_client, and by the node exporter to find the same folder), RAY_AUTH_MODE (`megaserve up` turns Ray's token authentication on unless it is set),
+prometheus_client, and by the node exporter to find the same folder), RAY_AUTH_MODE (`megaserve up`
+turns Ray's token authentication on unless it is set),
 NCCL_NVLS_ENABLE and TORCH_SYMM_MEM_DISABLE_MULTICAST (NVLink multicast off in GPU replicas, the
 builder's GPU_PROCESS_ENV) and SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN (in a throughput replica,
 by the SGLang engine, so that SGLang takes the context length megaserve gives it).

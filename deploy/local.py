@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import errno
 import importlib
-import json
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -258,16 +258,19 @@ def _builder(import_path: str):
 
 def app_urls(http: dict[str, Any], applications: list[dict[str, Any]]) -> list[str]:
     """The OpenAI base URL of each application that has a route (route_prefix null: none)."""
-    base = f"http://{http['host']}:{http['port']}"
+    base = _base_url(http["host"], http["port"])
     prefixes = (app.get("route_prefix", "/") for app in applications)
     return [f"{base}{prefix.rstrip('/')}/v1" for prefix in prefixes if prefix is not None]
+
+
+def _base_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"  # an IPv6 address in brackets
 
 
 def proxy_routes_apps(http: dict[str, Any], names: list[str]) -> bool:
     """Whether the HTTP proxy on this node routes every app of `names` (False while it cannot
     answer)."""
-    host = WILDCARD_HOSTS.get(http["host"], http["host"])
-    url = f"http://[{host}]:{http['port']}" if ":" in host else f"http://{host}:{http['port']}"
+    url = _base_url(WILDCARD_HOSTS.get(http["host"], http["host"]), http["port"])
     try:
         with urllib.request.urlopen(url + ROUTES_PATH, timeout=ROUTES_TIMEOUT_SECONDS) as response:
             routed = set(json.loads(response.read()).values())

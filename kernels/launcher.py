@@ -168,7 +168,8 @@ class DecodeStep:
 
         shape, dev = self.shape, self.device
         self.state = torch.zeros(STATE_SLOTS, dtype=torch.int32, device=dev)
-        self.counters = torch.zeros(COUNTER_HEAD_ROWS + COUNTERS_PER_KV_HEAD * shape.kv_heads, dtype=torch.int32, device=dev)
+        counters = COUNTER_HEAD_ROWS + COUNTERS_PER_KV_HEAD * shape.kv_heads
+        self.counters = torch.zeros(counters, dtype=torch.int32, device=dev)
         self.hidden = torch.empty(RESIDUAL_ROWS, shape.hidden, dtype=KERNEL_DTYPE, device=dev)
         self.qkv = torch.empty(shape.q_dim + 2 * shape.kv_dim, dtype=KERNEL_DTYPE, device=dev)
         # zeros, then the down and O projections' fp32 sums of even and odd layers: zero here, as the

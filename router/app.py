@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -68,6 +69,7 @@ LOGGED_NAME_CHARS = 64
 LARGE_REQUEST_CHARS = 64 * 1024
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def create_app(
@@ -135,8 +137,11 @@ class _Router:
         router), on the large requests' own thread where the prompt has more than LARGE_REQUEST_CHARS
         characters."""
         if characters > LARGE_REQUEST_CHARS:
-            return await asyncio.get_running_loop().run_in_executor(self._large_requests, tokenize, *args)
+            return await self._on_large_requests_thread(tokenize, *args)
         return await asyncio.to_thread(tokenize, *args)
+
+    async def _on_large_requests_thread(self, work: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._large_requests, work, *args)
 
     def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -207,8 +212,7 @@ class _Router:
             raise invalid(f"the body is not valid UTF-8 (byte {error.start})") from None
         try:
             if len(text) > LARGE_REQUEST_CHARS:
-                body = await asyncio.get_running_loop().run_in_executor(self._large_requests,
-                                                                        schema.model_validate_json, text)
+                body = await self._on_large_requests_thread(schema.model_validate_json, text)
             else:
                 body = schema.model_validate_json(text)
         except ValidationError as error:
