@@ -11,6 +11,8 @@ Yield rule (every `Engine.generate` obeys it):
      since its last yield or `coalesce_tokens` tokens are pending, whichever comes first, so that
      the per-item cost of Ray's streaming (~0.3 ms) stays far below the step time.
   3. The last item carries `finish_reason` (and any tokens still pending); nothing follows it.
+     With STOP, the id that ended the generation (a stop or end-of-sequence id) is that item's
+     last token: the router counts it but shows no text for it, so it must not come earlier.
   4. An item is never empty except the last one, which may carry no tokens.
   5. Each token comes with the duration of the engine step that produced it, in seconds.
 Cancelling the consumer (closing the async generator, or Ray cancelling the call on client
