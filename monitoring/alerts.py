@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megaserve.monitoring import generated, metrics
-from megaserve.monitoring.promql import METRICS_JOB, fraction_above
+from megaserve.monitoring.promql import METRICS_JOB, RAY_JOB, fraction_above
 
 PROG = "python -m megaserve.monitoring.alerts"
 RULES_FILE = Path(__file__).parent / "alerts" / "megaserve.rules.yaml"
@@ -45,6 +45,12 @@ class LatencySLO:
             raise ValueError(f"{self.alert}: objective must lie in (0, 1), got {self.objective}")
 
 
+# Severities as kube-prometheus-stack's Alertmanager config and the community mixins spell them, so
+# that a cluster's existing routes take these alerts: `critical` pages someone now, `warning` files a
+# ticket (the SRE workbook's page and ticket).
+PAGE, TICKET = "critical", "warning"
+
+
 @dataclass(frozen=True)
 class BurnWindow:
     severity: str
@@ -55,18 +61,20 @@ class BurnWindow:
 
 
 BURN_WINDOWS = (
-    BurnWindow("page", long="1h", short="5m", burn_rate=14.4, hold="2m"),
-    BurnWindow("ticket", long="6h", short="30m", burn_rate=6.0, hold="15m"),
+    BurnWindow(PAGE, long="1h", short="5m", burn_rate=14.4, hold="2m"),
+    BurnWindow(TICKET, long="6h", short="30m", burn_rate=6.0, hold="15m"),
 )
 
-# A batch-1 decode step of the latency tier: ~1 ms for an 8B model on one GPU group, a few ms for
-# a 70B one; 10 ms means the replica is no longer the fast path it is sold as.
+# A batch-1 decode step reads every weight once: ~4 ms for an 8B model on one H200 (docs/perf.md),
+# ~19 ms for the 70B of deploy/gb300.yaml (141 GB at ~92% of a GB300's 8 TB/s: the megakernel
+# engine drives one GPU of its group). 30 ms means the replica is no longer the fast path it is
+# sold as; a deployment of a smaller model tightens it (8B: 0.01).
 DECODE_STEP_SLO = LatencySLO(
     alert="MegaserveLatencyTierStepSLOBurn",
     summary="Latency-tier decode steps are slower than {threshold} s too often",
     histogram="megaserve_step_duration_seconds",
     selector='tier="latency", phase="decode"',
-    threshold_seconds=0.01,
+    threshold_seconds=0.03,
     objective=0.99,
     buckets=metrics.STEP_BUCKETS,
 )
@@ -137,7 +145,7 @@ def _spillover_alert() -> dict:
         "alert": "MegaserveLatencySpillover",
         "expr": f"{spilled}\n/\n({spilled} + {served})\n> {_number(SPILLOVER_RATIO)}\n",
         "for": SPILLOVER_HOLD,
-        "labels": {"severity": "ticket"},
+        "labels": {"severity": TICKET},
         "annotations": {
             "summary": "Latency-tier requests keep spilling over to the throughput tier",
             "description": (
@@ -172,7 +180,7 @@ def _replica_alerts() -> list[dict]:
             # The other health rules' hold: a count that one evaluation shows files no ticket. It only
             # delays one, as the failures stay in the count for the whole window.
             "for": REPLICA_HOLD,
-            "labels": {"severity": "ticket"},
+            "labels": {"severity": TICKET},
             "annotations": {
                 "summary": "Ray Serve replicas fail their health checks and are replaced",
                 "description": "{{ $labels.application }}/{{ $labels.deployment }}: {{ $value }} failed "
@@ -186,7 +194,7 @@ def _replica_alerts() -> list[dict]:
                      "  or 0 * max by (application, deployment) (ray_serve_autoscaling_target_replicas)\n)\n"
                      "< max by (application, deployment) (ray_serve_autoscaling_target_replicas)\n"),
             "for": BELOW_TARGET_HOLD,
-            "labels": {"severity": "page"},
+            "labels": {"severity": PAGE},
             "annotations": {
                 "summary": "A Ray Serve deployment runs fewer healthy replicas than it targets",
                 "description": "{{ $labels.application }}/{{ $labels.deployment }} has had {{ $value }} "
@@ -199,7 +207,7 @@ def _replica_alerts() -> list[dict]:
             "expr": f"ray_serve_deployment_status >= {DEPLOYMENT_FAILED} "
                     f"<= {DEPLOYMENT_UNHEALTHY}\n",
             "for": REPLICA_HOLD,
-            "labels": {"severity": "page"},
+            "labels": {"severity": PAGE},
             "annotations": {
                 "summary": "A Ray Serve deployment is unhealthy or failed to deploy",
                 "description": "{{ $labels.application }}/{{ $labels.deployment }} reports "
@@ -217,7 +225,7 @@ def _replica_alerts() -> list[dict]:
                     f"unless on (application) ray_serve_deployment_status >= {DEPLOYMENT_FAILED} "
                     f"<= {DEPLOYMENT_UNHEALTHY}\n",
             "for": REPLICA_HOLD,
-            "labels": {"severity": "page"},
+            "labels": {"severity": PAGE},
             "annotations": {
                 "summary": "A Ray Serve application failed to deploy or is unhealthy",
                 "description": "{{ $labels.application }} reports status {{ $value }} (1 deploy failed, 2 "
@@ -228,7 +236,7 @@ def _replica_alerts() -> list[dict]:
             "alert": "MegaserveMetricsTargetDown",
             "expr": f'up{{job="{METRICS_JOB}"}} == 0\n',
             "for": REPLICA_HOLD,
-            "labels": {"severity": "page"},
+            "labels": {"severity": PAGE},
             "annotations": {
                 "summary": "A node's megaserve metrics endpoint does not answer",
                 # Only a node with an exporter up for good may be a target, or this pages for ever:
@@ -237,6 +245,22 @@ def _replica_alerts() -> list[dict]:
                 "description": "{{ $labels.instance }} has not been scraped for " + REPLICA_HOLD
                 + ": nothing on that node serves its megaserve metrics (on Kubernetes, the pod's "
                 "megaserve-exporter container; elsewhere, any megaserve process), or the port is blocked.",
+                },
+        },
+        {
+            # The rules above see a target that is down, not one that was never scraped: a PodMonitor
+            # that the Prometheus does not select (kube-prometheus-stack's release label) or a scrape
+            # config without the job leaves every rule on that job's metrics silent.
+            "alert": "MegaserveMetricsNotScraped",
+            "expr": f'absent(up{{job="{METRICS_JOB}"}})\nor\nabsent(up{{job="{RAY_JOB}"}})\n',
+            # as long as a GPU replica may take to start: worker pods still Pending are no targets
+            "for": BELOW_TARGET_HOLD,
+            "labels": {"severity": TICKET},
+            "annotations": {
+                "summary": "Prometheus scrapes no target of a job that megaserve's alerts and dashboards read",
+                "description": "No target of job {{ $labels.job }} for " + BELOW_TARGET_HOLD
+                + ": every alert on its metrics is blind. On Kubernetes, check that the Prometheus "
+                "selects k8s/podmonitor.yaml; elsewhere, that its scrape config has the job.",
                 },
         },
     ]
