@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity
 
-from megaserve.kernels.profiling import count_kernel_launches
+from megaserve.kernels.profiling import count_kernel_launches, profiling
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import KVCache, load_model
@@ -104,7 +104,7 @@ class TorchEngine(StepThreadEngine):
         if self.device.type == "cuda":
             return count_kernel_launches(one_step)
         one_step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profiling([ProfilerActivity.CPU]) as prof:
             one_step()
         return sum(1 for event in prof.events() if event.cpu_parent is None and event.name.startswith("aten::"))
 

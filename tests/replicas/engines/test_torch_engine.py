@@ -432,6 +432,24 @@ async def test_launches_per_step_are_measured_and_grow_with_depth(make_engine, t
         await deeper.shutdown()
 
 
+async def test_engines_built_on_two_threads_at_once_both_measure_their_launches(make_engine):
+    """Each engine's constructor runs a profiler session; two at once in one process crashed it
+    (one replica process may host several engines: Serve places replicas by resources)."""
+    built: list[TorchEngine] = []
+    ready = threading.Barrier(2)
+
+    def build() -> None:
+        ready.wait()  # both constructors start together
+        built.append(make_engine())
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(built) == 2 and built[0].launches_per_step == built[1].launches_per_step > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the engine runs there")
 def test_a_cuda_device_without_a_gpu_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="TorchEngine on 'cuda:0' needs a CUDA GPU, and this torch sees none"):
