@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megaserve.replicas.protocol import CONFIG_FILE, TOKENIZER_FILE
+from megaserve.replicas.protocol import CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
+from .config import read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,7 +38,10 @@ class Checkpoint:
         return tuple(self._files[name].get_slice(name).get_shape())
 
     def read(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return self._files[name].get_tensor(name).to(device=device, dtype=dtype)
+        tensor = self._files[name].get_tensor(name)
+        if not tensor.dtype.is_floating_point:  # .to() would turn integers (a quantized layout) into numbers
+            raise CheckpointError(f"tensor {name!r} is {tensor.dtype}; weights must be floating-point")
+        return tensor.to(device=device, dtype=dtype)
 
 
 @contextmanager
@@ -65,6 +70,12 @@ def model_folder_problem(path: str | Path) -> str | None:
     if not path.is_dir():
         return "is not a directory" if path.exists() else "does not exist"
     problems = [f"no {name}" for name in (CONFIG_FILE, TOKENIZER_FILE) if not (path / name).is_file()]
+    for name in (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE):  # the small ones
+        if (path / name).is_file():
+            try:
+                read_json_object(path / name)
+            except (OSError, ValueError) as error:
+                problems.append(str(error))
     try:
         with open_checkpoint(path):  # reads each safetensors file's header, no tensor
             pass

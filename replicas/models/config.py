@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..protocol import CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from ..protocol import CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, is_integer, is_number
 
 # Hugging Face architecture name -> our family name.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -80,7 +80,7 @@ class ModelConfig:
         config_path = Path(path) / CONFIG_FILE
         if not config_path.is_file():
             raise FileNotFoundError(f"no {CONFIG_FILE} in {path}")
-        config = cls.from_hf_dict(json.loads(config_path.read_text()))
+        config = cls.from_hf_dict(read_json_object(config_path))
         return dataclasses.replace(config, eos_token_ids=hf_eos_token_ids(path))
 
     @classmethod
@@ -89,35 +89,59 @@ class ModelConfig:
         _refuse_unsupported(raw, family)
         defaults = FAMILY_DEFAULTS[family]
 
-        def get(key: str) -> Any:
-            if key in raw and raw[key] is not None:
-                return raw[key]
-            if key in defaults:
-                return defaults[key]
-            raise ValueError(f"config.json lacks the required field {key!r}")
+        def get(key: str, fallback: Any = None) -> Any:
+            value = raw.get(key)
+            if value is None:
+                value = defaults.get(key, fallback)
+            if value is None:
+                raise ValueError(f"config.json lacks the required field {key!r}")
+            return value
 
-        num_heads = int(get("num_attention_heads"))
-        hidden_size = int(get("hidden_size"))
+        num_heads = _integer("num_attention_heads", get("num_attention_heads"))
+        hidden_size = _integer("hidden_size", get("hidden_size"))
         rope_theta, rope_scaling = _rope(raw, defaults["rope_theta"])
         return cls(
             family=family,
-            vocab_size=int(get("vocab_size")),
+            vocab_size=_integer("vocab_size", get("vocab_size")),
             hidden_size=hidden_size,
-            intermediate_size=int(get("intermediate_size")),
-            num_layers=int(get("num_hidden_layers")),
+            intermediate_size=_integer("intermediate_size", get("intermediate_size")),
+            num_layers=_integer("num_hidden_layers", get("num_hidden_layers")),
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or defaults.get("head_dim") or hidden_size // num_heads),
-            rms_norm_eps=float(get("rms_norm_eps")),
+            num_kv_heads=_integer("num_key_value_heads", get("num_key_value_heads", num_heads)),
+            head_dim=_integer("head_dim", get("head_dim", hidden_size // num_heads)),
+            rms_norm_eps=_number("rms_norm_eps", get("rms_norm_eps")),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(get("max_position_embeddings")),
+            max_position_embeddings=_integer("max_position_embeddings", get("max_position_embeddings")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qk_norm=family == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         )
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or a ValueError that names the file."""
+    try:
+        value = json.loads(path.read_bytes())
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _integer(key: str, value: Any) -> int:
+    if not is_integer(value):
+        raise ValueError(f"config.json field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _number(key: str, value: Any) -> float:
+    if not is_number(value):
+        raise ValueError(f"config.json field {key!r} must be a number, got {value!r}")
+    return float(value)
 
 
 def _family(raw: dict[str, Any]) -> str:
@@ -149,7 +173,7 @@ def _rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict | None
     params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})  # transformers' precedence
     if params and not all(isinstance(value, (int, float, str)) for value in params.values()):
         raise ValueError(f"config.json rope parameters {params!r} are per layer type; not supported")
-    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta)
+    theta = _number("rope_theta", params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or DEFAULT_ROPE_TYPE
     if rope_type == DEFAULT_ROPE_TYPE:
         return theta, None
@@ -161,8 +185,13 @@ def _rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict | None
     missing = [key for key in LLAMA3_ROPE_KEYS if key not in params]
     if missing:
         raise ValueError(f"config.json field 'rope_scaling' lacks {missing} for rope_type 'llama3'")
-    scaling = {"rope_type": LLAMA3_ROPE_TYPE, **{key: params[key] for key in LLAMA3_ROPE_KEYS}}
-    scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    scaling = {"rope_type": LLAMA3_ROPE_TYPE,
+               **{key: _number(f"rope_scaling.{key}", params[key]) for key in LLAMA3_ROPE_KEYS}}
+    original = scaling["original_max_position_embeddings"]
+    if original != int(original):
+        raise ValueError(f"config.json field 'rope_scaling.original_max_position_embeddings' must be a "
+                         f"whole number, got {original!r}")
+    scaling["original_max_position_embeddings"] = int(original)
     return theta, scaling
 
 
@@ -170,9 +199,10 @@ def hf_eos_token_ids(path: str | Path) -> tuple[int, ...]:
     """The end-of-sequence ids of the checkpoint in `path`, of any architecture: config.json's,
     then generation_config.json's, then the tokenizer's `eos_token`, each once."""
     path = Path(path)
-    ids = _token_ids(json.loads((path / CONFIG_FILE).read_text()).get("eos_token_id"))
+    ids = _token_ids(read_json_object(path / CONFIG_FILE).get("eos_token_id"), CONFIG_FILE)
     if (path / GENERATION_CONFIG_FILE).is_file():
-        ids += _token_ids(json.loads((path / GENERATION_CONFIG_FILE).read_text()).get("eos_token_id"))
+        generation = read_json_object(path / GENERATION_CONFIG_FILE)
+        ids += _token_ids(generation.get("eos_token_id"), GENERATION_CONFIG_FILE)
     return tuple(dict.fromkeys(ids + _tokenizer_eos_id(path)))
 
 
@@ -181,9 +211,9 @@ def _tokenizer_eos_id(path: Path) -> tuple[int, ...]:
     its added tokens), or () where either file or the token is missing."""
     if not (path / TOKENIZER_CONFIG_FILE).is_file() or not (path / TOKENIZER_FILE).is_file():
         return ()
-    eos = json.loads((path / TOKENIZER_CONFIG_FILE).read_text()).get("eos_token")
+    eos = read_json_object(path / TOKENIZER_CONFIG_FILE).get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos  # an AddedToken dict, or the text
-    tokenizer = json.loads((path / TOKENIZER_FILE).read_text())
+    tokenizer = read_json_object(path / TOKENIZER_FILE)
     ids = [token["id"] for token in tokenizer.get("added_tokens", []) if token.get("content") == eos]
     vocab = (tokenizer.get("model") or {}).get("vocab")
     if not ids and isinstance(vocab, dict) and eos in vocab:
@@ -191,9 +221,11 @@ def _tokenizer_eos_id(path: Path) -> tuple[int, ...]:
     return tuple(ids[:1]) if eos is not None else ()
 
 
-def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+def _token_ids(value: int | list[int] | None, file_name: str = CONFIG_FILE) -> tuple[int, ...]:
+    """An `eos_token_id` field: an id, a list of ids, or absent."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(token) for token in value)
+    ids = [value] if not isinstance(value, list) else value
+    if not all(is_integer(token) and token >= 0 for token in ids):
+        raise ValueError(f"{file_name} field 'eos_token_id' must be a token id or a list of them, got {value!r}")
+    return tuple(ids)

@@ -3,6 +3,7 @@ checkpoints whose tensors disagree with their config."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from megaserve.replicas.models import CheckpointError, ModelConfig, load_model
+from megaserve.replicas.models.checkpoint import model_folder_problem
 from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.models.rope import rope_inv_freq
 from tests.model_factory import make_tiny_model
@@ -99,7 +101,7 @@ def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
     # (PreTrainedConfig.convert_rope_params_to_dict), so the reference and the fast paths must too.
     both = {**LLAMA31_8B, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     assert ModelConfig.from_hf_dict(both) == ModelConfig.from_hf_dict(LLAMA31_8B)
-    hf = transformers.LlamaConfig(**both)
+    hf = transformers.LlamaConfig(**copy.deepcopy(both))  # it writes rope_theta into the rope_scaling dict
     assert hf.rope_parameters["rope_type"] == "llama3" and hf.rope_parameters["rope_theta"] == 500000.0
 
 
@@ -125,6 +127,17 @@ def test_llama3_scaling_slows_only_long_wavelengths():
         ({"num_key_value_heads": 5}, "num_key_value_heads"),
         ({"torch_dtype": "float8_e4m3fn"}, "torch_dtype"),
         ({"hidden_size": None}, "hidden_size"),
+        # wrong types: named, not a bare int() or arithmetic error, and never a bool or float taken as a count
+        ({"hidden_size": "sixty-four"}, "'hidden_size' must be an integer, got 'sixty-four'"),
+        ({"num_hidden_layers": 31.5}, "'num_hidden_layers' must be an integer"),
+        ({"num_key_value_heads": True}, "'num_key_value_heads' must be an integer"),
+        ({"rms_norm_eps": "1e-5"}, "'rms_norm_eps' must be a number"),
+        ({"rope_theta": [5e5]}, "'rope_theta' must be a number"),
+        ({"rope_scaling": {**LLAMA31_8B["rope_scaling"], "factor": "8"}}, "'rope_scaling.factor' must be a number"),
+        ({"rope_scaling": {**LLAMA31_8B["rope_scaling"], "original_max_position_embeddings": 8192.5}},
+         "'rope_scaling.original_max_position_embeddings' must be a whole number"),
+        ({"eos_token_id": "</s>"}, "'eos_token_id' must be a token id or a list of them, got '</s>'"),
+        ({"eos_token_id": [128001, -1]}, "'eos_token_id' must be a token id"),
     ],
 )
 def test_unsupported_llama_configs_name_the_field(change, message):
@@ -228,6 +241,31 @@ def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, damage, mes
     with pytest.raises(CheckpointError, match=message) as caught:
         load_model(path)
     assert str(index_path if "index" in damage or "map" in damage else shard) in str(caught.value)
+
+
+def test_integer_weights_are_refused_by_name_not_turned_into_numbers(checkpoint):
+    path, tensors = checkpoint
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].to(torch.int32)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight' is torch\.int32; weights must be floating-point"):
+        load_model(path)
+
+
+@pytest.mark.parametrize(("file_name", "text", "message"), [
+    ("config.json", '{"architectures": [', "config.json is not valid JSON"),
+    ("config.json", "[1, 2]", "config.json holds a JSON list, not an object"),
+    ("generation_config.json", "{", "generation_config.json is not valid JSON"),
+    ("tokenizer_config.json", b"\xff\xfe", "tokenizer_config.json is not valid JSON"),
+])
+def test_a_broken_json_file_is_named_by_the_folder_check_and_the_loader(tmp_path, file_name, text, message):
+    path = make_tiny_model(tmp_path / "m", "llama")
+    assert model_folder_problem(path) is None
+    target = path / file_name
+    target.write_bytes(text if isinstance(text, bytes) else text.encode())
+    problem = model_folder_problem(path)  # what `megaserve up` says before Ray starts
+    assert problem is not None and str(target) in problem and message in problem
+    with pytest.raises(ValueError, match=message):
+        load_model(path)
 
 
 def test_folder_without_weights(tmp_path):
