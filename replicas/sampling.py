@@ -7,9 +7,11 @@ stages run at all is decided from host-side flags computed at the same time.
 
 The draw is Gumbel-max: the chosen token is argmax(logits / T + g) over the kept tokens, with
 g = -log(-log(u)) and u uniform in (0, 1). A row with a seed takes its u from a counter-based
-hash of (seed, position of the token being generated, vocabulary index), so its tokens are the
-same on every run whatever else shares the batch; a row without a seed takes u from a
-`torch.Generator`.
+hash of (seed, position of the token being generated, vocabulary index), so its draws are the
+same on every run whatever else shares the batch, and so are its tokens wherever its logits are:
+in float32 (the CPU default); not always in bf16, where the batch's longest row sets the attention's
+padded length and the rounding of its sums (as in vLLM, which promises no batch invariance either).
+A row without a seed takes u from a `torch.Generator`.
 
 `sample` is also the batch-1 path for engines that produce logits for one sequence (the
 megakernel engine's sampled decoding): `SamplingRows.build([params], vocab_size, device)` once
