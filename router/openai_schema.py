@@ -141,8 +141,11 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "structured_outputs": (None,),  # vLLM >= 0.10.2: replaces the guided_* fields
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "mm_processor_kwargs": (None, {}),
     # SGLang's extensions, likewise
     "regex": (None,),
+    "stop_regex": (None, []),
     "ebnf": (None,),
     "json_schema": (None,),
     "no_stop_trim": (None, False),
@@ -163,6 +166,7 @@ _CHAT_UNSUPPORTED_NEUTRAL: dict[str, Any] = _UNSUPPORTED_NEUTRAL | {
     "web_search_options": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
+    "documents": (None, []),  # RAG templates (Command-R, Granite) render them into the prompt
 }
 
 

@@ -85,7 +85,11 @@ BAD_REQUESTS = {
     "OpenAI's reasoning_effort": (CHAT, chat(reasoning_effort="low"), 400, "reasoning_effort"),
     "OpenAI's verbosity": (CHAT, chat(verbosity="low"), 400, "verbosity"),
     "OpenAI's legacy function_call": (CHAT, chat(function_call={"name": "f"}), 400, "function_call"),
+    "vLLM's return_token_ids": (COMPLETIONS, completion(return_token_ids=True), 400, "return_token_ids"),
+    "vLLM's mm_processor_kwargs": (CHAT, chat(mm_processor_kwargs={"num_crops": 4}), 400, "mm_processor_kwargs"),
+    "vLLM's documents for a RAG template": (CHAT, chat(documents=[{"title": "t", "text": "x"}]), 400, "documents"),
     "SGLang's regex": (COMPLETIONS, completion(regex="[0-9]+"), 400, "regex"),
+    "SGLang's stop_regex": (CHAT, chat(stop_regex=["[0-9]{3}"]), 400, "stop_regex"),
     "SGLang's ebnf": (COMPLETIONS, completion(ebnf='root ::= "a"'), 400, "ebnf"),
     "SGLang's json_schema": (CHAT, chat(json_schema="{}"), 400, "json_schema"),
     "SGLang's no_stop_trim": (COMPLETIONS, completion(no_stop_trim=True), 400, "no_stop_trim"),
@@ -138,7 +142,8 @@ def test_a_switch_implemented_one_way_is_refused_the_other_way_saying_which(rout
 def test_neutral_values_of_refused_fields_are_served(router_url):
     for path, content in ((CHAT, chat(max_tokens=1, add_generation_prompt=True, continue_final_message=False,
                                       add_special_tokens=False, chat_template_kwargs={}, logits_processors=[],
-                                      no_stop_trim=False, reasoning_effort=None, function_call="none")),
+                                      no_stop_trim=False, reasoning_effort=None, function_call="none",
+                                      documents=[], stop_regex=[], return_token_ids=False)),
                           (COMPLETIONS, completion(max_tokens=1, add_special_tokens=True, regex=None))):
         response = httpx.post(router_url + path, content=content)
         assert response.status_code == 200, response.text
