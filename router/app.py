@@ -217,7 +217,8 @@ class _Router:
                 body = schema.model_validate_json(text)
         except ValidationError as error:
             raise _validation_error(error) from None
-        self._check_model(body.model)
+        if body.model:
+            self._check_model(body.model)
         if ignored := body.ignored_fields:
             log.warning("%s: served without fields it does not know: %s", request.url.path, _names_for_log(ignored))
         return body

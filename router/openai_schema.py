@@ -7,8 +7,9 @@ megaserve implements one way only, to anything but that way), rather than silent
 nobody defines are ignored, as vLLM and SGLang do (OpenAI refuses them), and the router logs their
 names, as vLLM does, so that a typo such as `max_token` shows; OpenAI's fields that change nothing
 in the output (`store`, `metadata`, ...) are ignored unlogged; a chat message's unknown fields are
-ignored too, but an assistant message's tool calls are refused as `tools` is. Extensions, as in
-vLLM: `top_k`, `stop_token_ids`, `ignore_eos`, `stream_options.continuous_usage_stats`. Responses
+ignored too, but an assistant message's tool calls are refused as `tools` is. A request that names
+no model gets the served one, as in vLLM and SGLang. Extensions, as in vLLM: `top_k`,
+`stop_token_ids`, `ignore_eos`, `stream_options.continuous_usage_stats`. Responses
 also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute (streams: on the
 usage chunk).
 """
@@ -177,7 +178,7 @@ class GenerationRequest(_RefusesUnsupported):
     # _Request's configuration).
     model_config = ConfigDict(extra="allow")
     unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL
-    model: str
+    model: str | None = None  # left out or empty: the served model, as vLLM and SGLang take it
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

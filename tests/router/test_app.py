@@ -255,6 +255,14 @@ def test_text_parts_of_a_message_are_joined_with_newlines_as_in_vllm(router_url)
     assert parts != answer("Helloworld")
 
 
+@pytest.mark.parametrize("model", [{}, {"model": ""}, {"model": None}], ids=["left out", "empty", "null"])
+def test_a_request_that_names_no_model_gets_the_served_one_as_in_vllm(router_url, model):
+    for path, request in (("chat/completions", {"messages": HELLO}), ("completions", {"prompt": "hi"})):
+        response = httpx.post(f"{router_url}/v1/{path}", json={**request, **model, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == MODEL
+
+
 def test_models_and_health(router_url):
     models = httpx.get(f"{router_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]

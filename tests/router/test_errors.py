@@ -33,7 +33,7 @@ BAD_REQUESTS = {
     "malformed JSON": (CHAT, b'{"model": ', 400, None),
     "not an object": (CHAT, b"[1, 2]", 400, None),
     "non-UTF-8 bytes": (COMPLETIONS, b'{"model": "megaserve-demo", "prompt": "\xff\xfe"}', 400, None),
-    "missing model": (CHAT, json.dumps({"messages": HI}).encode(), 400, "model"),
+    "model not a string": (CHAT, json.dumps({"model": 7, "messages": HI}).encode(), 400, "model"),
     "unknown model": (CHAT, chat(model="gpt-5"), 404, "model"),
     "messages not a list": (CHAT, chat(messages="hi"), 400, "messages"),
     "empty messages": (CHAT, chat(messages=[]), 400, "messages"),
