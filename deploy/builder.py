@@ -155,6 +155,7 @@ def router_settings(config: AppConfig, env: Environment, model_dir: str) -> Rout
         latency_wait_seconds=config.routing.latency_wait_seconds,
         spillover=config.routing.spillover,
         retry_after_seconds=config.routing.retry_after_seconds,
+        cors_allowed_origins=tuple(config.routing.cors_allowed_origins),
         created=int(time.time()),  # /v1/models' `created` (Unix seconds): when this app was built
     )
 

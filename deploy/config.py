@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import urllib.parse
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -76,6 +77,31 @@ def _ray_label_selector(selector: dict[str, str]) -> dict[str, str]:
 
 
 RayLabelSelector = Annotated[dict[str, str], AfterValidator(_ray_label_selector)]
+
+ANY_ORIGIN = "*"
+DEFAULT_PORTS = {"http": 80, "https": 443}  # a browser leaves these out of an Origin
+
+
+def _cors_origin(origin: str) -> str:
+    # CORS compares the browser's Origin header as text: an origin written any other way (a path,
+    # a trailing slash, capitals, the scheme's own port) would match no request, silently.
+    if origin == ANY_ORIGIN:
+        return origin
+    parts = urllib.parse.urlsplit(origin)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    well_formed = (parts.scheme in DEFAULT_PORTS and parts.hostname and not (parts.path or parts.query or parts.fragment)
+                   and parts.username is None and port != -1)
+    if not well_formed or origin != origin.lower() or port == DEFAULT_PORTS[parts.scheme]:
+        raise ValueError(f"{origin!r} is not an origin as a browser sends it: http(s)://host, lower case, "
+                         f"a port only where it is not the scheme's, no path (e.g. 'https://chat.example.com'), "
+                         f"or {ANY_ORIGIN!r}")
+    return origin
+
+
+CorsOrigin = Annotated[str, AfterValidator(_cors_origin)]
 
 
 MEGAKERNEL_DTYPES = ("auto", "bfloat16")  # the kernel is written for bf16; auto loads bf16 there
@@ -284,12 +310,25 @@ class Routing(_Strict):
         "router can use every tier: with fewer latency replicas than routers, a batch-1 replica may "
         "get a second request, which then waits behind the first instead of spilling over.",
     )
+    cors_allowed_origins: list[CorsOrigin] = Field(
+        default_factory=list, description="Origins whose browser pages may call the API (CORS), "
+        "as a browser sends them (`https://chat.example.com`, with a port where it is not the "
+        "scheme's), or `*` alone for any. Empty (the default): no CORS headers, so browsers refuse "
+        "calls from other origins (vLLM and SGLang allow any by default; a local server that any web "
+        "page could call is what this default avoids).",
+    )
     router_cpus: RayQuantity = Field(
         0.0, ge=0, description="CPUs each router replica reserves (a Ray resource, not a limit). At 0 "
         "Ray may place routers on any node, a head started with num-cpus 0 included (KubeRay's "
         "advice), where they would share its CPUs with the GCS; k8s/rayservice.yaml reserves 1, "
         "which keeps them on the workers.",
     )
+
+    @model_validator(mode="after")
+    def _any_origin_alone(self):
+        if ANY_ORIGIN in self.cors_allowed_origins and len(self.cors_allowed_origins) > 1:
+            raise ValueError(f"cors_allowed_origins: {ANY_ORIGIN!r} allows every origin; list it alone")
+        return self
 
 
 class Metrics(_Strict):

@@ -24,6 +24,7 @@ from http import HTTPStatus
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -98,6 +99,12 @@ def create_app(
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", router.model, methods=["GET"])
     app.add_api_route("/health", router.health, methods=["GET"])
+    if settings.cors_allowed_origins:
+        # A browser page of a listed origin may call the API with its own API key (no cookies:
+        # the key is the credential), and read the headers that say how it was served.
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=[TIER_HEADER, ROUTE_REASON_HEADER, "retry-after"])
     return app
 
 

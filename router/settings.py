@@ -49,6 +49,8 @@ class RouterSettings:
     spillover: bool = True  # a latency request that waited in vain runs on throughput instead of 429
     retry_after_seconds: int = DEFAULT_RETRY_AFTER_SECONDS  # Retry-After header of 429 and 503 answers
     created: int = 0  # Unix time shown as the model's `created` in /v1/models
+    # origins whose browser pages may call the API (CORS); "*": any; empty: no CORS headers at all
+    cors_allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_name:

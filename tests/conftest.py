@@ -28,7 +28,8 @@ LIVE_APP_ARGS = {
     "latency": {"device": "cpu", "cpus_per_replica": 0.5, "max_seq_len": 1024},
     "throughput": {"device": "cpu", "cpus_per_replica": 0.5, "max_seq_len": 1024,
                    "max_batch": 2, "max_ongoing_requests": 2},
-    "routing": {"latency_wait_seconds": 0.2, "spillover": True, "retry_after_seconds": 2},
+    "routing": {"latency_wait_seconds": 0.2, "spillover": True, "retry_after_seconds": 2,
+                "cors_allowed_origins": ["https://chat.example.com"]},
 }
 
 

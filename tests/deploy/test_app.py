@@ -77,6 +77,13 @@ def test_models_endpoint_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_serve_s_proxy_hands_a_browser_s_preflight_to_the_router(live_stack):
+    origin = "https://chat.example.com"  # the live app's cors_allowed_origins (tests/conftest.py)
+    preflight = httpx.options(live_stack.openai_base_url + "/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == origin
+
+
 async def _hold_latency_replica(aclient, started: asyncio.Event):
     stream = await aclient.chat.completions.create(**_chat("priority", stream=True, **LONG))
     async for _ in stream:

@@ -210,6 +210,12 @@ def test_router_settings_hold_the_tiers_whole_capacities(tmp_path):
     assert settings.max_context == 2048
 
 
+def test_router_settings_carry_the_cors_origins(tmp_path):
+    config = AppConfig.model_validate({"routing": {"cors_allowed_origins": ["https://chat.example.com"]}})
+    assert builder.router_settings(config, _env(tmp_path), "/models/x").cors_allowed_origins == (
+        "https://chat.example.com",)
+
+
 def test_serve_never_queues_at_a_router_what_the_router_would_admit(tmp_path):
     """Serve holds a router's requests past its max_ongoing_requests in the proxy's queue, with no
     429: the limit must be above every slot the router may admit (here 1 + 4 * 512)."""

@@ -67,6 +67,14 @@ def test_every_field_has_a_description():
     ({"latency": {"label_selector": {"megaserve.io/tier": "latency tier"}}},
      "latency.label_selector\n.*Invalid label selector value `latency tier`"),
     ({"latency": {"label_selector": {"-bad key": "x"}}}, "latency.label_selector\n"),
+    # an origin written otherwise than a browser sends it would match no request
+    ({"routing": {"cors_allowed_origins": ["https://chat.example.com/"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["chat.example.com"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["https://Chat.example.com"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["https://chat.example.com:443"]}}, "a port only where it is not"),
+    ({"routing": {"cors_allowed_origins": ["http://localhost:99999"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["ftp://files.example.com"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["*", "https://chat.example.com"]}}, "allows every origin; list it alone"),
 ])
 def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
     with pytest.raises(ValidationError, match=message):
@@ -85,6 +93,13 @@ def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
 def test_an_infinite_or_nan_float_is_refused(text):
     with pytest.raises(ValidationError, match="Input should be a finite number"):
         AppConfig.model_validate(yaml.safe_load(text))
+
+
+def test_cors_origins_as_browsers_send_them_are_accepted():
+    origins = ["https://chat.example.com", "http://localhost:3000", "http://[::1]:8080"]
+    assert AppConfig.model_validate({"routing": {"cors_allowed_origins": origins}}).routing.cors_allowed_origins == origins
+    assert AppConfig.model_validate({"routing": {"cors_allowed_origins": ["*"]}}).routing.cors_allowed_origins == ["*"]
+    assert AppConfig().routing.cors_allowed_origins == []  # none unless listed
 
 
 def test_a_disabled_tier_s_sequence_length_does_not_bound_the_context():

@@ -301,6 +301,38 @@ def test_api_keys_guard_everything_but_health(serve_router, engines):
     assert ok.status_code == 200
 
 
+def test_a_listed_origin_s_browser_page_may_call_the_api_with_its_key(serve_router, engines):
+    origin = "https://chat.example.com"
+    url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()}, api_keys=("k1",),
+                       cors_allowed_origins=(origin,))
+    # the browser's preflight: answered by the CORS layer, before the key is checked
+    preflight = httpx.options(url + "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == origin
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    chat = {"model": MODEL, "messages": HELLO, "max_tokens": 1}
+    answer = httpx.post(url + "/v1/chat/completions", json=chat,
+                        headers={"Origin": origin, "Authorization": "Bearer k1"})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == origin
+    assert "x-megaserve-tier" in answer.headers["access-control-expose-headers"].lower()
+    # still the key that guards the API, not the origin
+    assert httpx.post(url + "/v1/chat/completions", json=chat, headers={"Origin": origin}).status_code == 401
+    other = httpx.options(url + "/v1/chat/completions", headers={
+        "Origin": "https://elsewhere.example.com", "Access-Control-Request-Method": "POST"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_no_cors_headers_unless_origins_are_listed(router_url):
+    origin = {"Origin": "https://chat.example.com"}
+    assert "access-control-allow-origin" not in httpx.get(router_url + "/v1/models", headers=origin).headers
+    preflight = httpx.options(router_url + "/v1/chat/completions",
+                              headers={**origin, "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
+
+
 @pytest.mark.parametrize(("served", "routes", "priorities"), [
     # what asked for latency queues ahead of bulk work in the throughput engine, as spilled-over work does
     (Tier.THROUGHPUT, (("priority", "only_tier", "default"), ("default", "requested", "default"),
