@@ -92,8 +92,8 @@ def _cors_origin(origin: str) -> str:
         port = parts.port
     except ValueError:
         port = -1
-    well_formed = (parts.scheme in DEFAULT_PORTS and parts.hostname and not (parts.path or parts.query or parts.fragment)
-                   and parts.username is None and port != -1)
+    well_formed = (parts.scheme in DEFAULT_PORTS and parts.hostname and parts.username is None and port != -1
+                   and not (parts.path or parts.query or parts.fragment))
     if not well_formed or origin != origin.lower() or port == DEFAULT_PORTS[parts.scheme]:
         raise ValueError(f"{origin!r} is not an origin as a browser sends it: http(s)://host, lower case, "
                          f"a port only where it is not the scheme's, no path (e.g. 'https://chat.example.com'), "

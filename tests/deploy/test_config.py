@@ -97,7 +97,8 @@ def test_an_infinite_or_nan_float_is_refused(text):
 
 def test_cors_origins_as_browsers_send_them_are_accepted():
     origins = ["https://chat.example.com", "http://localhost:3000", "http://[::1]:8080"]
-    assert AppConfig.model_validate({"routing": {"cors_allowed_origins": origins}}).routing.cors_allowed_origins == origins
+    config = AppConfig.model_validate({"routing": {"cors_allowed_origins": origins}})
+    assert config.routing.cors_allowed_origins == origins
     assert AppConfig.model_validate({"routing": {"cors_allowed_origins": ["*"]}}).routing.cors_allowed_origins == ["*"]
     assert AppConfig().routing.cors_allowed_origins == []  # none unless listed
 

@@ -247,7 +247,8 @@ def test_integer_weights_are_refused_by_name_not_turned_into_numbers(checkpoint)
     path, tensors = checkpoint
     tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].to(torch.int32)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight' is torch\.int32; weights must be floating-point"):
+    refusal = r"'model\.embed_tokens\.weight' is torch\.int32; weights must be floating-point"
+    with pytest.raises(CheckpointError, match=refusal):
         load_model(path)
 
 
