@@ -20,6 +20,7 @@ first, "error" when the replica failed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ FAILED = "error"  # finish_reason label of a choice that its replica failed, or 
 # An ABORT without an error: the engine was shut down (a rolling update, a scale-down) with the
 # choice unfinished. The request was fine: a 503 to retry, or an error event once streaming.
 STOPPED_BEFORE_THE_END = "the replica was shut down before the generation finished"
+# Stop strings whose matching tables are kept: 16 of at most 1,024 characters per request
+# (openai_schema's limits), so a few MB at most.
+STOP_TABLES_CACHED = 256
 
 
 class GenerationFailed(Exception):
@@ -106,7 +110,8 @@ class StopMatcher:
         return False
 
 
-def _kmp_fallbacks(stop: str) -> list[int]:
+@functools.lru_cache(maxsize=STOP_TABLES_CACHED)  # a request's n choices, and its next requests, share them
+def _kmp_fallbacks(stop: str) -> tuple[int, ...]:
     """fallbacks[k]: the longest proper end of stop[:k + 1] that is also a beginning of stop."""
     fallbacks = [0] * len(stop)
     matched = 0
@@ -116,7 +121,7 @@ def _kmp_fallbacks(stop: str) -> list[int]:
         if stop[k] == stop[matched]:
             matched += 1
         fallbacks[k] = matched
-    return fallbacks
+    return tuple(fallbacks)
 
 
 @dataclass

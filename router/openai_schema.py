@@ -29,6 +29,9 @@ ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 OpenAIFinishReason = Literal["stop", "length"]  # a replica's ABORT is an error, never an answer
 
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; vLLM any number; matching cost grows with each
+# Characters per stop string (OpenAI and vLLM set none): the router builds each one's matching table
+# on its event loop, and 16 of 4 MB in all held every stream of the router for seconds.
+MAX_STOP_CHARS = 1024
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 # A chat's messages are turned into the template's input on the event loop, where every stream of
 # the router waits: 4,096 take ~3 ms, 100,000 (a 4 MB body of empty ones) took 0.16 s.
@@ -208,6 +211,8 @@ class GenerationRequest(_RefusesUnsupported):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(sequences)}")
         if any(s == "" for s in sequences):
             raise ValueError("stop sequences must not be empty")
+        if (longest := max(map(len, sequences), default=0)) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got {longest}")
         return stop
 
     @field_validator("stop_token_ids")

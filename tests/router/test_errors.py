@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
-from megaserve.router.openai_schema import MAX_MESSAGES
+from megaserve.router.openai_schema import MAX_MESSAGES, MAX_STOP_CHARS
 
 from .conftest import MODEL
 
@@ -62,6 +62,7 @@ BAD_REQUESTS = {
     "n above the limit": (CHAT, chat(n=99), 400, "n"),
     "empty stop string": (CHAT, chat(stop=[""]), 400, "stop"),
     "too many stop strings": (CHAT, chat(stop=[str(i) for i in range(17)]), 400, "stop"),
+    "a stop string too long": (COMPLETIONS, completion(stop=["end", "x" * (MAX_STOP_CHARS + 1)]), 400, "stop"),
     "logprobs asked for": (CHAT, chat(logprobs=True), 400, "logprobs"),
     "legacy logprobs 0 (the sampled token's)": (COMPLETIONS, completion(logprobs=0), 400, "logprobs"),
     "tools given": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
@@ -137,6 +138,12 @@ def test_a_switch_implemented_one_way_is_refused_the_other_way_saying_which(rout
     assert error == {"message": "`add_generation_prompt` is not supported by this server except as true",
                      "type": "invalid_request_error", "param": "add_generation_prompt",
                      "code": "unsupported_parameter"}
+
+
+def test_a_stop_string_too_long_is_refused_with_its_length(router_url):
+    error = httpx.post(router_url + COMPLETIONS, content=completion(stop="x" * (MAX_STOP_CHARS + 1))).json()["error"]
+    assert f"at most {MAX_STOP_CHARS} characters, got {MAX_STOP_CHARS + 1}" in error["message"]
+    assert httpx.post(router_url + COMPLETIONS, content=completion(stop="x" * MAX_STOP_CHARS, max_tokens=1)).status_code == 200
 
 
 def test_neutral_values_of_refused_fields_are_served(router_url):

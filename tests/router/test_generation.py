@@ -12,7 +12,7 @@ import pytest
 
 from megaserve.monitoring.metrics import FINISHED_REQUESTS, GENERATION_TOKENS, INTER_TOKEN_LATENCY
 from megaserve.replicas.protocol import FinishReason, GenerateRequest, SamplingParams, StepOutput, Tier
-from megaserve.router.generation import Generation, GenerationFailed, StopMatcher
+from megaserve.router.generation import Generation, GenerationFailed, StopMatcher, _kmp_fallbacks
 from megaserve.router.tokenizer import Tokenizer
 
 STEP_SECONDS = 0.001
@@ -27,6 +27,16 @@ def feed(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:
             return released, True
     released.append(matcher.flush())
     return released, False
+
+
+def test_a_request_s_choices_build_its_stops_matching_tables_once():
+    """Built on the event loop: 8 choices that each built tables for 16 long stop strings held every
+    stream of the router for seconds."""
+    stops = [f"stop {i} " * 100 for i in range(2)]  # strings no other test uses
+    before = _kmp_fallbacks.cache_info().misses
+    for _ in range(8):  # n = 8 choices
+        assert feed(StopMatcher(stops), ["a", stops[1], "b"]) == (["a", ""], True)
+    assert _kmp_fallbacks.cache_info().misses - before == len(stops)
 
 
 def test_without_stops_everything_passes_at_once():
