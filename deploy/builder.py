@@ -19,14 +19,14 @@ import ray
 from ray.serve import Application, Deployment
 from ray.serve.context import _get_global_client  # Serve has no public getter of its HTTP options
 
-from megaserve.deploy.config import AppConfig, LatencyTier, ThroughputTier, TierCommon
+from megaserve.deploy.config import AppConfig, LatencyTier, Routing, ThroughputTier, TierCommon
 from megaserve.deploy.env import Environment
 from megaserve.monitoring.exporter import MULTIPROC_ENV
 from megaserve.replicas.deployments import LatencyReplica, ReplicaSpec, ThroughputReplica
 from megaserve.replicas.engines.sglang_engine import INSTALL_HINT
 from megaserve.replicas.protocol import Tier
 from megaserve.router.deployment import RouterDeployment, router_max_ongoing_requests
-from megaserve.router.settings import RouterSettings
+from megaserve.router.settings import ANY_ORIGIN, RouterSettings
 
 # NVLink multicast (NVLS) can take a shared host's GPUs out of service; never let NCCL use it.
 GPU_PROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -188,15 +188,17 @@ def warn_if_gpus_wait_for_tensor_parallelism(config: AppConfig) -> bool:
     return True
 
 
-def warn_if_unauthenticated(env: Environment) -> bool:
+def warn_if_unauthenticated(env: Environment, routing: Routing) -> bool:
     """Warn (and return True) when the app serves without API keys: MEGASERVE_API_KEYS unset where
     the app is built (exported in a shell other than the one that ran `ray start` or `serve deploy`,
     say), or the client's one-letter-shorter MEGASERVE_API_KEY set in its place."""
     if env.api_keys:
         return False
     mistaken = " (MEGASERVE_API_KEY is set: that is the client's key; the server reads MEGASERVE_API_KEYS)"
-    log.warning("MEGASERVE_API_KEYS is not set: the API serves every caller without a key%s",
-                mistaken if env.api_key else "")
+    anyone = (f"; with cors_allowed_origins {ANY_ORIGIN!r}, so can every web page its users open"
+              if ANY_ORIGIN in routing.cors_allowed_origins else "")
+    log.warning("MEGASERVE_API_KEYS is not set: the API serves every caller without a key%s%s",
+                mistaken if env.api_key else "", anyone)
     return True
 
 
@@ -247,7 +249,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     warn_if_sglang_is_missing(config)
     warn_if_gpus_wait_for_tensor_parallelism(config)
     env = Environment.read()
-    warn_if_unauthenticated(env)
+    warn_if_unauthenticated(env, config.routing)
     process_env = _process_env(config, env)
     directory = model_dir(config, env)
 

@@ -8,7 +8,9 @@ validators so that a bad config fails before anything starts, with a message nam
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
+import re
 import urllib.parse
 from typing import Annotated, Literal
 
@@ -19,6 +21,7 @@ from megaserve.replicas.engines.sglang_engine import OWNED_ARGS as SGLANG_OWNED_
 from megaserve.replicas.engines.sglang_engine import check_engine_args as check_sglang_args
 from megaserve.replicas.protocol import CoalescePolicy
 from megaserve.router.settings import (
+    ANY_ORIGIN,
     DEFAULT_LATENCY_MAX_PROMPT_TOKENS,
     DEFAULT_LATENCY_WAIT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -78,26 +81,53 @@ def _ray_label_selector(selector: dict[str, str]) -> dict[str, str]:
 
 RayLabelSelector = Annotated[dict[str, str], AfterValidator(_ray_label_selector)]
 
-ANY_ORIGIN = "*"
 DEFAULT_PORTS = {"http": 80, "https": 443}  # a browser leaves these out of an Origin
+DNS_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")
+
+
+def _serialized_origin(origin: str) -> str | None:
+    """`origin` as a browser serializes it (scheme://host[:port], lower case, IDNA hosts as
+    punycode, IP addresses in their one canonical form), or None where it is no http(s) origin."""
+    parts = urllib.parse.urlsplit(origin)
+    try:
+        port, host = parts.port, parts.hostname or ""
+    except ValueError:  # a port that is no number, or out of range
+        return None
+    if parts.scheme not in DEFAULT_PORTS or port == 0:
+        return None
+    if parts.netloc.startswith("["):
+        if "%" in host:  # a zone id: no browser sends one
+            return None
+        try:
+            host = f"[{ipaddress.IPv6Address(host).compressed}]"
+        except ValueError:
+            return None
+    elif host.split(".")[-1].isdigit() or host.split(".")[-1].startswith("0x"):  # an IPv4 address
+        try:
+            host = str(ipaddress.IPv4Address(host))
+        except ValueError:
+            return None
+    else:
+        try:
+            host = host.encode("idna").decode("ascii")  # a Unicode name as its punycode
+        except UnicodeError:
+            return None
+        if not DNS_NAME.fullmatch(host):
+            return None
+    default = port is None or port == DEFAULT_PORTS[parts.scheme]
+    return f"{parts.scheme}://{host}" + ("" if default else f":{port}")
 
 
 def _cors_origin(origin: str) -> str:
     # CORS compares the browser's Origin header as text: an origin written any other way (a path,
-    # a trailing slash, capitals, the scheme's own port) would match no request, silently.
-    if origin == ANY_ORIGIN:
-        return origin
-    parts = urllib.parse.urlsplit(origin)
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    well_formed = (parts.scheme in DEFAULT_PORTS and parts.hostname and parts.username is None and port != -1
-                   and not (parts.path or parts.query or parts.fragment))
-    if not well_formed or origin != origin.lower() or port == DEFAULT_PORTS[parts.scheme]:
-        raise ValueError(f"{origin!r} is not an origin as a browser sends it: http(s)://host, lower case, "
-                         f"a port only where it is not the scheme's, no path (e.g. 'https://chat.example.com'), "
-                         f"or {ANY_ORIGIN!r}")
+    # a trailing slash, capitals, the scheme's own port, a Unicode host, a wildcard) would match no
+    # request, silently.
+    if origin != ANY_ORIGIN and _serialized_origin(origin) != origin:
+        serialized = _serialized_origin(origin)
+        hint = f" (a browser sends {serialized!r})" if serialized else ""
+        raise ValueError(f"{origin!r} is not an origin as a browser sends it{hint}: http(s)://host, lower "
+                         f"case, a port only where it is not the scheme's, no path, e.g. "
+                         f"'https://chat.example.com'; or {ANY_ORIGIN!r}")
     return origin
 
 

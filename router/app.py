@@ -45,11 +45,12 @@ from megaserve.router.openai_schema import (
 )
 from megaserve.router.policy import TIER_HEADER, Admission, Lease, RouterPosition, choose_tier, single_router
 from megaserve.router.responses import ResponseBuilder, served_tier
-from megaserve.router.settings import MAX_CHOICES, RouterSettings, capped_by_model, sampling_defaults
+from megaserve.router.settings import ANY_ORIGIN, MAX_CHOICES, RouterSettings, capped_by_model, sampling_defaults
 from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, disconnect_aware, unless_disconnected
 from megaserve.router.tokenizer import ChatTemplateError, Tokenizer
 
 ROUTE_REASON_HEADER = "x-megaserve-route-reason"
+CROSS_SITE = ("cross-site", "same-site")  # Sec-Fetch-Site of a request a page of another origin made
 JSON_MEDIA_TYPES = ("application/json",)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"; nobody reads it
 SPILLOVER_PRIORITY = 1  # queue position in the throughput engine of work that asked for latency
@@ -196,6 +197,15 @@ class _Router:
     # --- reading a request ----------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
+        # A browser page of another site may send a "simple" POST (no preflight: no Content-Type, or
+        # text/plain) that CORS never sees; it says so in Sec-Fetch-Site. Without API keys such a page
+        # could run generations on a server it found (a local one at 127.0.0.1:8000).
+        site, origin = request.headers.get("sec-fetch-site"), request.headers.get("origin")
+        allowed = self.settings.cors_allowed_origins
+        if site in CROSS_SITE and not (ANY_ORIGIN in allowed or origin in allowed):
+            raise APIError(HTTPStatus.FORBIDDEN, f"a page of origin {origin!r} may not call this API: "
+                           "it is not in routing.cors_allowed_origins", code="origin_not_allowed",
+                           reason="unauthorized")
         if not self.settings.api_keys:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")

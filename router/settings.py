@@ -28,6 +28,7 @@ DEFAULT_RETRY_AFTER_SECONDS = 1
 # (max_ongoing_requests), so a wait at the router would only add latency.
 THROUGHPUT_WAIT_SECONDS = 0.0
 MAX_CHOICES = 8  # largest `n` (choices per request) accepted; each choice takes one slot
+ANY_ORIGIN = "*"  # as the one entry of cors_allowed_origins: a browser page of any origin may call
 
 
 @dataclass(frozen=True)

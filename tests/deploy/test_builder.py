@@ -124,19 +124,20 @@ def test_an_app_built_with_api_keys_set_to_no_key_fails_naming_the_variable(monk
         builder.build_app({"model": {"path": str(tmp_path)}})
 
 
-@pytest.mark.parametrize("client_key, keys, warning", [
-    (None, None, "MEGASERVE_API_KEYS is not set: the API serves every caller without a key"),
-    ("sk-meant-for-the-server", None, "MEGASERVE_API_KEY is set: that is the client's key"),
-    ("sk-client", "sk-a,sk-b", None),
-], ids=["no keys", "the client's variable instead", "keys set"])
-def test_an_app_built_without_api_keys_says_so(monkeypatch, tmp_path, caplog, client_key, keys, warning):
+@pytest.mark.parametrize("client_key, keys, origins, warning", [
+    (None, None, [], "MEGASERVE_API_KEYS is not set: the API serves every caller without a key"),
+    ("sk-meant-for-the-server", None, [], "MEGASERVE_API_KEY is set: that is the client's key"),
+    (None, None, ["*"], "with cors_allowed_origins '*', so can every web page its users open"),
+    ("sk-client", "sk-a,sk-b", ["*"], None),
+], ids=["no keys", "the client's variable instead", "no keys and any origin", "keys set"])
+def test_an_app_built_without_api_keys_says_so(monkeypatch, tmp_path, caplog, client_key, keys, origins, warning):
     for name, value in (("MEGASERVE_API_KEY", client_key), ("MEGASERVE_API_KEYS", keys)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
     with caplog.at_level(logging.WARNING, logger=builder.__name__):
-        app = builder.build_app({"model": {"path": str(tmp_path)}})
+        app = builder.build_app({"model": {"path": str(tmp_path)}, "routing": {"cors_allowed_origins": origins}})
     assert app._bound_deployment.init_args[0].api_keys == (tuple(keys.split(",")) if keys else ())
     said = [r.getMessage() for r in caplog.records if "MEGASERVE_API_KEYS" in r.getMessage()]
     assert (warning is None and not said) or (len(said) == 1 and warning in said[0]), said

@@ -75,6 +75,17 @@ def test_every_field_has_a_description():
     ({"routing": {"cors_allowed_origins": ["http://localhost:99999"]}}, "is not an origin as a browser sends it"),
     ({"routing": {"cors_allowed_origins": ["ftp://files.example.com"]}}, "is not an origin as a browser sends it"),
     ({"routing": {"cors_allowed_origins": ["*", "https://chat.example.com"]}}, "allows every origin; list it alone"),
+    ({"routing": {"cors_allowed_origins": ["https://bücher.example"]}}, "a browser sends 'https://xn--bcher-kva.example'"),
+    ({"routing": {"cors_allowed_origins": ["https://*.example.com"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["https://chat.example.com:08080"]}},
+     "a browser sends 'https://chat.example.com:8080'"),
+    ({"routing": {"cors_allowed_origins": ["https://chat.example.com?"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": [" https://chat.example.com"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["http://[0:0:0:0:0:0:0:1]:8080"]}}, "a browser sends 'http://\\[::1\\]:8080'"),
+    ({"routing": {"cors_allowed_origins": ["http://127.1:3000"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["http://[fe80::1%25eth0]"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["http://localhost:0"]}}, "is not an origin as a browser sends it"),
+    ({"routing": {"cors_allowed_origins": ["null"]}}, "is not an origin as a browser sends it"),
 ])
 def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
     with pytest.raises(ValidationError, match=message):
@@ -96,7 +107,8 @@ def test_an_infinite_or_nan_float_is_refused(text):
 
 
 def test_cors_origins_as_browsers_send_them_are_accepted():
-    origins = ["https://chat.example.com", "http://localhost:3000", "http://[::1]:8080"]
+    origins = ["https://chat.example.com", "http://localhost:3000", "http://[::1]:8080", "http://127.0.0.1:8080",
+               "https://xn--bcher-kva.example", "http://[2001:db8::1]"]
     config = AppConfig.model_validate({"routing": {"cors_allowed_origins": origins}})
     assert config.routing.cors_allowed_origins == origins
     assert AppConfig.model_validate({"routing": {"cors_allowed_origins": ["*"]}}).routing.cors_allowed_origins == ["*"]

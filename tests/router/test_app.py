@@ -325,6 +325,27 @@ def test_a_listed_origin_s_browser_page_may_call_the_api_with_its_key(serve_rout
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
+def test_a_page_of_another_site_cannot_run_generations_without_a_preflight(router_url):
+    """A browser sends a POST with no Content-Type (or text/plain) without asking CORS first, and
+    says where it comes from in Sec-Fetch-Site; curl and the SDKs send no such header."""
+    chat = json.dumps({"messages": HELLO, "max_tokens": 1})
+    page = {"Origin": "https://elsewhere.example", "Sec-Fetch-Site": "cross-site"}
+    refused = httpx.post(router_url + "/v1/chat/completions", content=chat, headers=page)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "origin_not_allowed"
+    assert httpx.get(router_url + "/v1/models", headers={**page, "Sec-Fetch-Site": "same-site"}).status_code == 403
+    for fetched_from in ({"Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {}):
+        assert httpx.post(router_url + "/v1/chat/completions", content=chat, headers=fetched_from).status_code == 200
+    assert httpx.get(router_url + "/health", headers=page).status_code == 200  # a probe, nothing to guard
+
+
+def test_a_listed_origin_s_page_passes_the_cross_site_check(serve_router, engines):
+    origin = "https://chat.example.com"
+    url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()}, cors_allowed_origins=(origin,))
+    page = {"Origin": origin, "Sec-Fetch-Site": "cross-site"}
+    assert httpx.get(url + "/v1/models", headers=page).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={**page, "Origin": "https://other.example"}).status_code == 403
+
+
 def test_no_cors_headers_unless_origins_are_listed(router_url):
     origin = {"Origin": "https://chat.example.com"}
     assert "access-control-allow-origin" not in httpx.get(router_url + "/v1/models", headers=origin).headers
