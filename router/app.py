@@ -89,7 +89,10 @@ def create_app(
     settings = capped_by_model(settings)
     router = _Router(settings, backends, tokenizer or Tokenizer.from_dir(settings.model_dir), position,
                      disconnect_errors)
-    app = FastAPI(title="megaserve", openapi_url=None, docs_url=None, redoc_url=None, lifespan=router.lifespan)
+    # No redirect from a path with a trailing slash: Starlette's 307 takes its address from the Host
+    # header, and a client that follows it re-sends the prompt there (without its key).
+    app = FastAPI(title="megaserve", openapi_url=None, docs_url=None, redoc_url=None, lifespan=router.lifespan,
+                  redirect_slashes=False)
     app.state.router = router
     app.add_exception_handler(APIError, router.error_response)
     app.add_exception_handler(StarletteHTTPException, _http_error_response)

@@ -207,6 +207,9 @@ def test_unknown_paths_and_methods_answer_in_openai_shape(router_url):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
     wrong_method = httpx.get(router_url + CHAT)
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"]
+    # no redirect that takes its address from the Host header, for the client to re-send the prompt to
+    slash = httpx.post(router_url + CHAT + "/", content=chat(), headers={"Host": "elsewhere.example"})
+    assert slash.status_code == 404 and "location" not in slash.headers
 
 
 def test_refusals_are_counted_and_the_server_keeps_serving(router_url):
