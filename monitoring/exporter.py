@@ -46,6 +46,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the processes it outlives are gone
 RAYLET = "raylet"  # the Ray node's process, as the proc filesystem names it (after its executable)
 STOP_CHECK_SECONDS = 0.2  # how soon a stop signal (or a port it can never bind) ends the serving
+# A connection's longest silence (before its request, or within it) before it is closed: each one
+# holds a thread, and prometheus_client's handler kept an idle one for ever (300 idle connections:
+# 300 threads). A scrape sends its request as soon as it connects.
+IDLE_CONNECTION_SECONDS = 10.0
 _GAUGE_MODES = "|".join(sorted(Gauge._MULTIPROC_MODES))
 # prometheus_client's "<kind>_<pid>.db", one per kind and process: a counter, histogram or summary,
 # or "gauge_<multiprocess_mode>". Nothing else in the folder, which the user names, is ours.
@@ -133,7 +137,8 @@ class _MetricsServer(ThreadingHTTPServer):
 
 def _serve_forever(host: str, port: int, retry_seconds: float) -> None:
     registry = _registry()
-    handler = MetricsHandler.factory(registry)
+    handler = type("MetricsHandlerWithTimeout", (MetricsHandler.factory(registry),),
+                   {"timeout": IDLE_CONNECTION_SECONDS})
     waiting = False
     while True:
         try:

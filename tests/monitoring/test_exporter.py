@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import multiprocess
 from prometheus_client.mmap_dict import MmapedDict
 
+from megaserve.monitoring import exporter
 from megaserve.monitoring.exporter import (
     OUTLIVE_CHECK_SECONDS,
     RECORDER_FILE,
@@ -213,6 +214,23 @@ def test_starting_the_exporter_twice_on_one_port_starts_one_thread(caplog, monke
     assert len([t for t in threading.enumerate() if t.name == f"megaserve-metrics-{port}"]) == 1
     assert not [r for r in caplog.records if "is taken" in r.getMessage()]
     assert _scrape(port)  # and the one thread serves
+
+
+def test_an_idle_connection_is_closed_and_scrapes_go_on(caplog, monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setattr(exporter, "IDLE_CONNECTION_SECONDS", 0.2)
+    port = free_port()
+    with caplog.at_level(logging.INFO, logger="megaserve.monitoring.exporter"):
+        start_node_exporter("127.0.0.1", port, retry_seconds=0.05)
+        wait_until(lambda: any("serving node metrics" in r.getMessage() for r in caplog.records), 10, "the serving")
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]  # and a request never sent
+    half = socket.create_connection(("127.0.0.1", port))
+    half.sendall(b"GET /metrics HTTP/1.1\r\n")  # a request never finished
+    for connection in [*idle, half]:
+        connection.settimeout(5.0)  # far past the idle limit: a connection kept open fails here
+        assert connection.recv(1024) == b""  # closed by the exporter
+        connection.close()
+    assert _scrape(port)
 
 
 @pytest.mark.parametrize(("host", "family"), [("::", socket.AF_INET6), ("::1", socket.AF_INET6),
