@@ -255,12 +255,13 @@ def _replica_alerts() -> list[dict]:
             "expr": f'absent(up{{job="{METRICS_JOB}"}})\nor\nabsent(up{{job="{RAY_JOB}"}})\n',
             # as long as a GPU replica may take to start: worker pods still Pending are no targets
             "for": BELOW_TARGET_HOLD,
-            "labels": {"severity": TICKET},
+            "labels": {"severity": PAGE},  # every alert on the job is blind, worse than one target down
             "annotations": {
                 "summary": "Prometheus scrapes no target of a job that megaserve's alerts and dashboards read",
                 "description": "No target of job {{ $labels.job }} for " + BELOW_TARGET_HOLD
                 + ": every alert on its metrics is blind. On Kubernetes, check that the Prometheus "
-                "selects k8s/podmonitor.yaml; elsewhere, that its scrape config has the job.",
+                "selects k8s/podmonitor.yaml, and that the worker pods are not all Pending (no GPU "
+                "node for them); elsewhere, that its scrape config has the job.",
                 },
         },
     ]

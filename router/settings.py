@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaserve.replicas.protocol import CONFIG_FILE, GENERATION_CONFIG_FILE, is_integer, is_number
@@ -42,7 +42,7 @@ class RouterSettings:
     throughput_capacity: int
     latency_replicas: int = 1  # the replicas latency_capacity counts; fewer healthy ones, less capacity
     throughput_replicas: int = 1  # the same for throughput_capacity
-    api_keys: tuple[str, ...] = ()  # accepted bearer tokens; empty disables auth
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # accepted bearer tokens; empty disables auth
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     # service_tier "auto": longer prompts go to throughput
     latency_max_prompt_tokens: int = DEFAULT_LATENCY_MAX_PROMPT_TOKENS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megaserve.router.settings import router_share
+from megaserve.router.settings import RouterSettings, router_share
 
 
 @pytest.mark.parametrize("total, routers, shares", [
@@ -25,3 +25,10 @@ def test_routers_share_a_tier_without_admitting_more_than_it_runs(total, routers
 def test_a_share_of_nonsense_is_refused(routers, rank):
     with pytest.raises(ValueError, match="routers >= 1 and rank >= 0"):
         router_share(3, routers, rank)
+
+
+def test_the_api_keys_stay_out_of_the_settings_repr():
+    """Settings travel through Serve (logs of a failed replica start print its arguments)."""
+    settings = RouterSettings(model_name="m", model_dir="/models/m", max_context=16, latency_capacity=1,
+                              throughput_capacity=1, api_keys=("sk-secret-key",))
+    assert "sk-secret-key" not in repr(settings) and settings.api_keys == ("sk-secret-key",)
