@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
 from megaserve.replicas.protocol import SEED_MIN, EngineDeadError, EngineError, GenerateRequest, SamplingParams, Tier
@@ -105,7 +106,9 @@ def create_app(
     app.add_api_route("/health", router.health, methods=["GET"])
     if settings.cors_allowed_origins:
         # A browser page of a listed origin may call the API with its own API key (no cookies:
-        # the key is the credential), and read the headers that say how it was served.
+        # the key is the credential), and read the headers that say how it was served; its 500s
+        # too, answered inside the CORS layer (Starlette answers them outside every middleware).
+        app.add_middleware(_ServerErrorsInside)
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"],
                            expose_headers=[TIER_HEADER, ROUTE_REASON_HEADER, "retry-after"])
@@ -424,6 +427,34 @@ async def _http_error_response(request: Request, error: StarletteHTTPException) 
 async def _client_gone_response(request: Request, error: ClientDisconnect) -> Response:
     """The client left while sending its body: nothing to answer, nothing went wrong here."""
     return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+class _ServerErrorsInside:
+    """ASGI middleware: an exception that no handler took becomes the JSON 500 here, before the
+    response has started, rather than in Starlette's outermost layer, past the middleware added
+    after this one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as error:  # noqa: BLE001 - what Starlette's ServerErrorMiddleware would take
+            if started:  # too late for a status: the server cuts the connection, as without this layer
+                raise
+            response = await _unexpected_error_response(Request(scope), error)
+            await response(scope, receive, send)
 
 
 async def _unexpected_error_response(request: Request, error: Exception) -> Response:

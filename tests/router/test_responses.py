@@ -50,3 +50,22 @@ def test_a_failure_mid_stream_is_an_error_event_then_done(serve_router, failure,
     assert payloads[-1] == "[DONE]"
     error = json.loads(payloads[-2])["error"]
     assert error["message"] == message and error["type"] == "server_error"
+
+
+class BackendFailingAtOnce:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        raise KeyError("an unexpected failure")
+        yield  # an async generator
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("origins", [(), ("https://chat.example.com",)], ids=["no CORS", "CORS"])
+def test_an_unexpected_failure_before_the_answer_is_a_json_500_that_a_listed_origin_can_read(
+        serve_router, origins):
+    url = serve_router({Tier.LATENCY: BackendFailingAtOnce()}, cors_allowed_origins=origins)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "service_tier": "priority"}
+    response = httpx.post(url + "/v1/chat/completions", json=body, headers={"Origin": "https://chat.example.com"})
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    assert response.headers.get("access-control-allow-origin") == (origins[0] if origins else None)
