@@ -102,7 +102,7 @@ def _serialized_origin(origin: str) -> str | None:
             host = f"[{ipaddress.IPv6Address(host).compressed}]"
         except ValueError:
             return None
-    elif host.split(".")[-1].isdigit() or host.split(".")[-1].startswith("0x"):  # an IPv4 address
+    elif (last_label := host.split(".")[-1]).isdigit() or last_label.startswith("0x"):  # an IPv4 address
         try:
             host = str(ipaddress.IPv4Address(host))
         except ValueError:
@@ -122,8 +122,7 @@ def _cors_origin(origin: str) -> str:
     # CORS compares the browser's Origin header as text: an origin written any other way (a path,
     # a trailing slash, capitals, the scheme's own port, a Unicode host, a wildcard) would match no
     # request, silently.
-    if origin != ANY_ORIGIN and _serialized_origin(origin) != origin:
-        serialized = _serialized_origin(origin)
+    if origin != ANY_ORIGIN and (serialized := _serialized_origin(origin)) != origin:
         hint = f" (a browser sends {serialized!r})" if serialized else ""
         raise ValueError(f"{origin!r} is not an origin as a browser sends it{hint}: http(s)://host, lower "
                          f"case, a port only where it is not the scheme's, no path, e.g. "

@@ -97,22 +97,24 @@ class ModelConfig:
                 raise ValueError(f"config.json lacks the required field {key!r}")
             return value
 
-        num_heads = _integer("num_attention_heads", get("num_attention_heads"))
-        hidden_size = _integer("hidden_size", get("hidden_size"))
+        def integer(key: str, fallback: int | None = None) -> int:
+            return _integer(key, get(key, fallback))
+
+        num_heads, hidden_size = integer("num_attention_heads"), integer("hidden_size")
         rope_theta, rope_scaling = _rope(raw, defaults["rope_theta"])
         return cls(
             family=family,
-            vocab_size=_integer("vocab_size", get("vocab_size")),
+            vocab_size=integer("vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=_integer("intermediate_size", get("intermediate_size")),
-            num_layers=_integer("num_hidden_layers", get("num_hidden_layers")),
+            intermediate_size=integer("intermediate_size"),
+            num_layers=integer("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=_integer("num_key_value_heads", get("num_key_value_heads", num_heads)),
-            head_dim=_integer("head_dim", get("head_dim", hidden_size // num_heads)),
+            num_kv_heads=integer("num_key_value_heads", num_heads),
+            head_dim=integer("head_dim", hidden_size // num_heads),
             rms_norm_eps=_number("rms_norm_eps", get("rms_norm_eps")),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_integer("max_position_embeddings", get("max_position_embeddings")),
+            max_position_embeddings=integer("max_position_embeddings"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qk_norm=family == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
