@@ -12,7 +12,8 @@
 // stream_stages is the decode step with nothing but its bytes and its edges: the grid streams
 // `stages` consecutive ranges of `data` (stage s: the 16-byte vectors [ends[s - 1], ends[s]), a
 // contiguous slice per CTA), loading as the GEMVs load weights (load_weights16, kChunkLoads loads
-// per thread in flight), and crosses a grid barrier after each stage whose edge_after[s] is set.
+// per thread in flight), and crosses the edge that edge_after[s] names after each stage: a grid
+// barrier, or a barrier over the CTA's group or cluster that hands a payload on (StreamEdge).
 // Between arriving and waiting, the CTA reads ahead into the next stage (in shared memory by the
 // copy engine, and in registers as prefetch_weights does). Timed with the step's own edges and
 // with none, it shows what the edges alone cost a step that streams at the loads' rate, with no
@@ -112,18 +113,66 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* barrier, unsig
   }
 }
 
-// At each barrier the CTA reads ahead into the next stage: thread 0 has the copy engine bring its
-// first `lookahead_vecs` vectors (the dynamic shared memory, 16 bytes each) and the first
-// `ahead_warps` warps load their first chunk of the rest into registers, as prefetch_weights does.
+// The edge after a stage of stream_stages (StreamEdge in barrier_probe.py): none, the grid barrier,
+// a barrier over the CTA's group of group_ctas consecutive CTAs (a count in global memory, as the
+// megakernel's wait for a KV head's QKV rows is), or over the CTA's cluster (the hardware's cluster
+// barrier). At a group or cluster edge each CTA hands every CTA of its group kPayloadVecs vectors,
+// as the megakernel hands on QKV rows and attention partials: through global memory (L2) to its
+// group, into the shared memory of each CTA of its cluster.
+enum StreamEdge { kEdgeNone = 0, kEdgeGrid = 1, kEdgeGroup = 2, kEdgeCluster = 3 };
+constexpr int kPayloadVecs = 4;      // Llama-3.2-1B's QKV GEMV: 24 bf16 rows per CTA, 3 vectors
+constexpr int kMaxClusterCtas = 16;  // the largest cluster Hopper and Blackwell allow (non-portable)
+constexpr int kMailboxes = 2;        // a payload's mailbox alternates by edge (see hand_on)
+
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+__device__ __forceinline__ unsigned cluster_ctas() {
+  unsigned count;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(count));
+  return count;
+}
+// v into the same address as `local` in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ void store_to_cluster_cta(const void* local, unsigned rank, uint4 v) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+// Payload vector v of CTA `from` at its mailed-th group or cluster edge; w carries a word of what
+// the thread has read, so that it is stored only once the stage's loads are in (as a GEMV's
+// outputs are). The launcher checks the sum of the received x + y + z.
+__device__ __forceinline__ uint4 payload(unsigned from, unsigned mailed, unsigned v, unsigned folded) {
+  return make_uint4(from + 1, mailed, v, folded);
+}
+__device__ __forceinline__ unsigned payload_sum(uint4 p) { return p.x + p.y + p.z; }
+
+// At each edge the CTA reads ahead into the next stage between arriving and waiting: thread 0 has
+// the copy engine bring its first `lookahead_vecs` vectors (the dynamic shared memory, 16 bytes
+// each) and the first `ahead_warps` warps load their first chunk of the rest into registers, as
+// prefetch_weights does. group_counts: a barrier counter per group (as `counter`, back at a phase
+// boundary after every launch); exchange: [grid][kMailboxes][kPayloadVecs] vectors. checksum:
+// the XOR of every word read, then the sum of the payloads received.
 __global__ void __launch_bounds__(kThreads, 1)
     stream_stages(unsigned* counter, int stages, const uint4* __restrict__ data, const long long* __restrict__ stage_ends,
-                  const int* __restrict__ edge_after, int ahead_warps, int lookahead_vecs, unsigned* checksum) {
+                  const int* __restrict__ edge_after, int ahead_warps, int lookahead_vecs, unsigned* group_counts,
+                  int group_ctas, uint4* exchange, unsigned* checksum) {
   extern __shared__ uint4 lookahead[];  // [lookahead_vecs]
   __shared__ unsigned long long lookahead_landed;
+  __shared__ uint4 inbox[kMailboxes][kMaxClusterCtas][kPayloadVecs];  // from each CTA of the cluster
   if (threadIdx.x == 0) mbarrier_init(&lookahead_landed, 1);
   __syncthreads();
   const bool loads_ahead = static_cast<int>(threadIdx.x) / kWarpSize < ahead_warps;
-  unsigned folded = 0, phase = 0;
+  const int group = blockIdx.x / group_ctas, group_first = group * group_ctas;
+  const int group_members = min(group_ctas, static_cast<int>(gridDim.x) - group_first);
+  const unsigned rank = cluster_rank(), cluster_size = cluster_ctas();
+  unsigned folded = 0, received = 0, phase = 0, mailed = 0;
   StreamChunk ahead;
   bool have_ahead = false;  // `ahead` holds this thread's first chunk of the stage's register part
   long long copied = 0;     // the stage's first vectors of the CTA's slice, in `lookahead`
@@ -145,8 +194,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     have_ahead = false;
     copied = 0;
-    if (edge_after[s]) {
-      const unsigned before = grid_arrive(counter);  // its __syncthreads: every read of `lookahead` is done
+    const int edge = edge_after[s];
+    if (edge == kEdgeNone) continue;
+    // Called after a CTA barrier (every read of `lookahead` is done) and before the edge's wait.
+    const auto read_ahead = [&] {
       if (s + 1 < stages) {
         const StreamSlice next = stream_slice(stage_ends, s + 1);
         copied = min(static_cast<long long>(lookahead_vecs), next.end - next.first);
@@ -158,12 +209,47 @@ __global__ void __launch_bounds__(kThreads, 1)
           have_ahead = true;
         }
       }
+    };
+    // A mailbox written at this edge is read before its readers pass their next edge, and written
+    // again only at the edge after that, which no CTA of the group passes before all have.
+    const int mailbox = mailed % kMailboxes;
+    const int t = threadIdx.x;
+    if (edge == kEdgeGrid) {
+      const unsigned before = grid_arrive(counter);  // its __syncthreads: every read of `lookahead` is done
+      read_ahead();
       grid_wait(counter, before);
+    } else if (edge == kEdgeGroup) {
+      if (t < kPayloadVecs)
+        exchange[(blockIdx.x * kMailboxes + mailbox) * kPayloadVecs + t] = payload(blockIdx.x, mailed, t, folded);
+      const unsigned before = publish_and_add(group_counts + group,
+                                              blockIdx.x == group_first ? kBarrierFlipBit - (group_members - 1) : 1u);
+      read_ahead();
+      grid_wait(group_counts + group, before);
+      for (int i = t; i < group_members * kPayloadVecs; i += kThreads) {  // a group may be larger than the CTA
+        const int from = group_first + i / kPayloadVecs;
+        received += payload_sum(__ldcg(exchange + (from * kMailboxes + mailbox) * kPayloadVecs + i % kPayloadVecs));
+      }
+    } else {
+      static_assert(kMaxClusterCtas * kPayloadVecs <= kThreads, "a thread per payload vector of the cluster");
+      if (t < static_cast<int>(cluster_size) * kPayloadVecs)
+        store_to_cluster_cta(&inbox[mailbox][rank][t % kPayloadVecs], t / kPayloadVecs,
+                             payload(blockIdx.x, mailed, t % kPayloadVecs, folded));
+      __syncthreads();
+      cluster_arrive();
+      read_ahead();
+      cluster_wait();
+      if (t < static_cast<int>(cluster_size) * kPayloadVecs)
+        received += payload_sum(inbox[mailbox][t / kPayloadVecs][t % kPayloadVecs]);
     }
+    if (edge != kEdgeGrid) ++mailed;
   }
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) folded ^= __shfl_xor_sync(kFullMask, folded, offset);
-  if (threadIdx.x % kWarpSize == 0) atomicXor(checksum, folded);
+  received = __reduce_add_sync(kFullMask, received);
+  if (threadIdx.x % kWarpSize == 0) {
+    atomicXor(checksum, folded);
+    atomicAdd(checksum + 1, received);
+  }
 }
 
 // stream_stages_ring streams the same slices with the loads taken off the edges, as a megakernel

@@ -16,6 +16,13 @@ be (the bench prints it per model and context). `time_streaming_ring` (stream_st
 the same stages with the loads taken off the edges: a loader warp per SM has the copy engine fill a
 ring of shared memory and never waits at a barrier, which only the other warps cross; it shows
 whether loads that run past the edges would hide them.
+
+An edge of stream_stages need not be a grid barrier (StreamEdge): it may be a barrier over groups of
+consecutive CTAs (a count in global memory, as the megakernel's wait for a KV head's QKV rows is) or
+over each cluster of a grid launched in clusters (`cluster_ctas`: the hardware's cluster barrier),
+each CTA handing the others of its group a few vectors, through L2 or into their shared memory. On
+the grid that clusters of a size can fill (`cluster_grid`: what the GPU can hold at once, which may
+be fewer CTAs than SMs), it shows what the layer's inner edges would cost as cluster barriers.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 import torch
@@ -41,13 +49,19 @@ VECTOR_BYTES = 16  # stream_stages loads 16-byte vectors
 AHEAD_WARPS = WARPS // 2  # kPrefetchWarps of gemv.cuh: warps that load the next stage's first chunk at a barrier
 WORD_MASK = (1 << 32) - 1
 DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # what a kernel may take without raising its attribute
-MAX_LOOKAHEAD_BYTES = 226 * 1024  # of the 227 KB a CTA may take on Hopper and Blackwell, 1 KB left for the kernel's own
+# Of the 227 KB a CTA may take on Hopper and Blackwell, 3 KB are left for the kernel's own (stream_stages'
+# inbox of cluster payloads: 2 KB).
+MAX_LOOKAHEAD_BYTES = 224 * 1024
 # stream_stages_ring's default ring: 64 KB per SM in 4 slots of 16 KB, each one bulk copy, its
 # fastest on the H200 (run 77: smaller slots cost the consumers a wait per slot, more slots or bytes
 # streamed slower).
 RING_BYTES = 64 * 1024
 RING_SLOTS = 4
 PHASE_BIT = 1 << 31  # the counter's top bit flips once per barrier; its low bits return to zero
+PAYLOAD_VECS = 4  # kPayloadVecs of barrier_probe.cu: the vectors a CTA hands each CTA of its group at an edge
+MAILBOXES = 2  # kMailboxes: each CTA's payload slots in global memory alternate by edge
+MAX_CLUSTER_CTAS = 16  # kMaxClusterCtas: the largest cluster Hopper and Blackwell launch (non-portable)
+PORTABLE_CLUSTER_CTAS = 8  # larger clusters need the kernel's non-portable attribute
 # Stretches of barrier_after_code, in steps of 8 instructions (128 bytes): 8 KB to 256 KB.
 CODE_STEPS = (64, 256, 512, 768, 896, 1024, 1152, 1280, 1536, 2048)
 
@@ -67,16 +81,30 @@ class _Probe:
     rounds timed with CUDA events, less a launch of none, and its barrier counter checked."""
 
     def __init__(self, build: Callable[[str], CompiledKernel], device: torch.device, threads: int = THREADS,
-                 dynamic_shared_bytes: int = 0) -> None:
+                 dynamic_shared_bytes: int = 0, cluster_ctas: int = 1) -> None:
         self.cuda_device = Device(device.index if device.index is not None else torch.cuda.current_device())
         self.cuda_device.set_current()
         self.compiled = build(arch_for(self.cuda_device.compute_capability))
         self.kernel = self.compiled.object_code().get_kernel(self.compiled.name_expression)
         if dynamic_shared_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT:
             _allow_dynamic_shared(self.kernel, self.cuda_device.device_id, dynamic_shared_bytes)
-        self.grid = self.cuda_device.properties.multiprocessor_count
-        self.config = LaunchConfig(grid=self.grid, block=threads, shmem_size=dynamic_shared_bytes, is_cooperative=True)
         self.stream = self.cuda_device.create_stream(torch.cuda.current_stream(device))
+        sms = self.cuda_device.properties.multiprocessor_count
+        if cluster_ctas == 1:
+            self.grid = sms
+            self.config = LaunchConfig(grid=sms, block=threads, shmem_size=dynamic_shared_bytes, is_cooperative=True)
+        else:
+            if cluster_ctas > PORTABLE_CLUSTER_CTAS:
+                _set_kernel_attribute(self.kernel, self.cuda_device.device_id, "NON_PORTABLE_CLUSTER_SIZE_ALLOWED", 1)
+            # As many clusters as the GPU holds at once: the barriers need every CTA resident.
+            clusters = self.kernel.occupancy.max_active_clusters(
+                LaunchConfig(grid=sms // cluster_ctas, cluster=cluster_ctas, block=threads,
+                             shmem_size=dynamic_shared_bytes), stream=self.stream)
+            if clusters < 1:
+                raise RuntimeError(f"this GPU cannot hold a cluster of {cluster_ctas} CTAs of the probe")
+            self.grid = clusters * cluster_ctas
+            self.config = LaunchConfig(grid=clusters, cluster=cluster_ctas, block=threads,
+                                       shmem_size=dynamic_shared_bytes, is_cooperative=True)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # uint32 in the kernel; 8 bytes keep it aligned
 
     def seconds_per_round(self, rounds: int, *extra_args) -> float:
@@ -88,10 +116,13 @@ class _Probe:
         self.check_counter()
         return per_round
 
-    def check_counter(self) -> None:
-        """Every CTA took every barrier: the counter is back at a phase boundary."""
-        if int(self.counter.item()) % PHASE_BIT != 0:
-            raise RuntimeError(f"the barrier counter ended at {int(self.counter.item()):#x}: a CTA missed a barrier")
+    def check_counter(self, counters: torch.Tensor | None = None) -> None:
+        """Every CTA took every barrier: the counter (or each of `counters`, uint32 words) is back at a
+        phase boundary."""
+        words = self.counter[:1] if counters is None else counters.view(torch.int32)
+        for value in words.tolist():
+            if (value & WORD_MASK) % PHASE_BIT:
+                raise RuntimeError(f"a barrier counter ended at {value & WORD_MASK:#x}: a CTA missed a barrier")
 
     def launch(self, rounds: int, extra_args: tuple) -> None:
         launch(self.stream, self.config, self.kernel, self.counter.data_ptr(), np.int32(rounds), *extra_args)
@@ -110,23 +141,38 @@ class _Probe:
         return statistics.median(samples)
 
 
-def _allow_dynamic_shared(kernel, device_id: int, size: int) -> None:
-    """Let `kernel` take `size` bytes of dynamic shared memory, past the 48 KB every kernel may take
-    (cuda.core's kernel attributes are read-only: the driver's call, on the library kernel)."""
-    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    (result,) = driver.cuKernelSetAttribute(attribute, size, kernel.handle, driver.CUdevice(device_id))
+def _set_kernel_attribute(kernel, device_id: int, name: str, value: int) -> None:
+    """Set the driver's CU_FUNC_ATTRIBUTE_<name> of `kernel` (cuda.core's kernel attributes are
+    read-only: the driver's call, on the library kernel)."""
+    attribute = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
+    (result,) = driver.cuKernelSetAttribute(attribute, value, kernel.handle, driver.CUdevice(device_id))
     if result != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"the driver refused {size} bytes of dynamic shared memory for the probe: {result.name}")
+        raise RuntimeError(f"the driver refused {name} = {value} for the probe: {result.name}")
+
+
+def _allow_dynamic_shared(kernel, device_id: int, size: int) -> None:
+    """Let `kernel` take `size` bytes of dynamic shared memory, past the 48 KB every kernel may take."""
+    _set_kernel_attribute(kernel, device_id, "MAX_DYNAMIC_SHARED_SIZE_BYTES", size)
+
+
+class StreamEdge(IntEnum):
+    """The edge after a stage of stream_stages (its StreamEdge): none, the grid barrier, a barrier over
+    each group of consecutive CTAs (a count in global memory), or over each cluster."""
+
+    NONE = 0
+    GRID = 1
+    GROUP = 2
+    CLUSTER = 3
 
 
 @dataclass(frozen=True)
 class StreamStage:
-    """A stage of stream_stages: the bytes it reads (rounded up to 16-byte vectors) and whether a
-    grid barrier follows it."""
+    """A stage of stream_stages: the bytes it reads (rounded up to 16-byte vectors) and the edge that
+    follows it."""
 
     name: str
     read_bytes: int
-    barrier_after: bool
+    edge_after: StreamEdge
 
 
 def xor_of_words(data: torch.Tensor) -> int:
@@ -142,8 +188,8 @@ def xor_of_words(data: torch.Tensor) -> int:
 
 class _StreamedBytes:
     """The bytes of `stages` laid out one after another in a buffer of random words on `device`, with
-    the stage ends (in 16-byte vectors) and barrier flags that the streaming kernels take, and the
-    word their XOR must fold to."""
+    the stage ends (in 16-byte vectors) and edges that the streaming kernels take, and the word their
+    XOR must fold to."""
 
     def __init__(self, stages: Sequence[StreamStage], device: torch.device) -> None:
         if not stages or any(stage.read_bytes < 1 for stage in stages):
@@ -153,12 +199,15 @@ class _StreamedBytes:
         self.data = torch.randint(-(2**31), 2**31, (int(ends[-1]) * VECTOR_BYTES // 4,), dtype=torch.int32,
                                   device=device)
         self.stage_ends = ends.to(device)
-        self.barrier_after = torch.tensor([stage.barrier_after for stage in stages], dtype=torch.int32, device=device)
-        self.checksum = torch.zeros(2, dtype=torch.int32, device=device)  # word 0; 8 bytes keep it aligned
+        self.edges = [StreamEdge(stage.edge_after) for stage in stages]
+        self.edge_after = torch.tensor(self.edges, dtype=torch.int32, device=device)
+        self.checksum = torch.zeros(2, dtype=torch.int32, device=device)  # the words' XOR, the payloads' sum
 
-    def seconds_per_launch(self, probe: _Probe, args: tuple, launches: int) -> float:
+    def seconds_per_launch(self, probe: _Probe, args: tuple, launches: int, received: int = 0,
+                           group_counts: torch.Tensor | None = None) -> float:
         """Seconds per launch of `probe` (which takes (counter, stages, *args), args holding the checksum's
-        address), once its XOR of every word read and its barrier counter are checked."""
+        address), once its XOR of every word read, the sum of the payloads it handed on (`received`)
+        and its barrier counters are checked."""
         probe.launch(self.stages, args)  # module load, first launch
         self.checksum.zero_()
         probe.launch(self.stages, args)
@@ -166,28 +215,66 @@ class _StreamedBytes:
         if folded != expected:
             raise RuntimeError(f"{probe.compiled.name_expression} folded {folded:#010x}, the data's XOR is "
                                f"{expected:#010x}: a vector was skipped or read twice")
+        if int(self.checksum[1].item()) & WORD_MASK != received:
+            raise RuntimeError(f"the payloads received sum to {int(self.checksum[1].item()) & WORD_MASK:#x}, "
+                               f"not {received:#x}: a CTA read a payload before it was handed on")
         probe.check_counter()
+        if group_counts is not None:
+            probe.check_counter(group_counts)
         return probe.seconds_per_launch(self.stages, args, launches)
+
+    def received_sum(self, grid: int, group_ctas: int, cluster_ctas: int) -> int:
+        """What stream_stages' payload sum must be (mod 2**32): at its e-th group or cluster edge, each
+        CTA receives from each CTA p of its group vectors v < PAYLOAD_VECS with x + y + z = p + 1 + e + v."""
+        total, mailed = 0, 0
+        for edge in self.edges:
+            if edge in (StreamEdge.GROUP, StreamEdge.CLUSTER):
+                size = group_ctas if edge == StreamEdge.GROUP else cluster_ctas
+                for first in range(0, grid, size):
+                    members = range(first, min(first + size, grid))
+                    per_receiver = sum(p + 1 + mailed + v for p in members for v in range(PAYLOAD_VECS))
+                    total += len(members) * per_receiver
+                mailed += 1
+        return total & WORD_MASK
 
 
 def time_streaming_step(kernel_cache: KernelCache, device: torch.device, stages: Sequence[StreamStage],
                         ahead_warps: int = AHEAD_WARPS, lookahead_bytes: int = 0,
-                        launches: int = STREAM_LAUNCHES) -> float:
+                        launches: int = STREAM_LAUNCHES, group_ctas: int = 1, cluster_ctas: int = 1) -> float:
     """Seconds per launch of stream_stages over `stages` (the kernel takes (counter, stages, data,
-    stage_ends, edge_after, ahead_warps, lookahead_vecs, checksum)), their bytes read once per launch;
-    the kernel's XOR of every word is checked first. At each barrier every CTA reads ahead into the
-    next stage: `lookahead_bytes` of its slice into shared memory by the copy engine, and a chunk per
-    lane of `ahead_warps` warps."""
+    stage_ends, edge_after, ahead_warps, lookahead_vecs, group_counts, group_ctas, exchange,
+    checksum)), their bytes read once per launch; the kernel's XOR of every word and sum of the
+    payloads handed on are checked first. At each edge every CTA reads ahead into the next stage:
+    `lookahead_bytes` of its slice into shared memory by the copy engine, and a chunk per lane of
+    `ahead_warps` warps. GROUP edges are over `group_ctas` consecutive CTAs; with `cluster_ctas` > 1
+    the grid is as many clusters of that many CTAs as the GPU holds at once (cluster_grid), and
+    CLUSTER edges are over each."""
+    if not 1 <= cluster_ctas <= MAX_CLUSTER_CTAS:
+        raise ValueError(f"cluster_ctas must be between 1 and {MAX_CLUSTER_CTAS}, got {cluster_ctas}")
+    if group_ctas < 1:
+        raise ValueError(f"group_ctas must be at least 1, got {group_ctas}")
     if not 0 <= ahead_warps <= WARPS:
         raise ValueError(f"ahead_warps must be between 0 and {WARPS}, got {ahead_warps}")
     if lookahead_bytes % VECTOR_BYTES or not 0 <= lookahead_bytes <= MAX_LOOKAHEAD_BYTES:
         raise ValueError(f"lookahead_bytes must be a multiple of {VECTOR_BYTES} between 0 and {MAX_LOOKAHEAD_BYTES}, "
                          f"got {lookahead_bytes}")
     streamed = _StreamedBytes(stages, device)
-    probe = _Probe(kernel_cache.stream_probe, device, dynamic_shared_bytes=lookahead_bytes)
-    args = (streamed.data.data_ptr(), streamed.stage_ends.data_ptr(), streamed.barrier_after.data_ptr(),
-            np.int32(ahead_warps), np.int32(lookahead_bytes // VECTOR_BYTES), streamed.checksum.data_ptr())
-    return streamed.seconds_per_launch(probe, args, launches)
+    probe = _Probe(kernel_cache.stream_probe, device, dynamic_shared_bytes=lookahead_bytes, cluster_ctas=cluster_ctas)
+    group_counts = torch.zeros(-(-probe.grid // group_ctas), dtype=torch.int32, device=device)
+    exchange = torch.zeros(probe.grid * MAILBOXES * PAYLOAD_VECS * VECTOR_BYTES // 4, dtype=torch.int32, device=device)
+    args = (streamed.data.data_ptr(), streamed.stage_ends.data_ptr(), streamed.edge_after.data_ptr(),
+            np.int32(ahead_warps), np.int32(lookahead_bytes // VECTOR_BYTES), group_counts.data_ptr(),
+            np.int32(group_ctas), exchange.data_ptr(), streamed.checksum.data_ptr())
+    received = streamed.received_sum(probe.grid, group_ctas, cluster_ctas)
+    return streamed.seconds_per_launch(probe, args, launches, received, group_counts)
+
+
+def cluster_grid(kernel_cache: KernelCache, device: torch.device, cluster_ctas: int) -> int:
+    """CTAs of stream_stages (one per SM) that `device` holds at once in clusters of `cluster_ctas`:
+    the grid time_streaming_step launches with them."""
+    if not 1 <= cluster_ctas <= MAX_CLUSTER_CTAS:
+        raise ValueError(f"cluster_ctas must be between 1 and {MAX_CLUSTER_CTAS}, got {cluster_ctas}")
+    return _Probe(kernel_cache.stream_probe, device, cluster_ctas=cluster_ctas).grid
 
 
 def time_streaming_ring(kernel_cache: KernelCache, device: torch.device, stages: Sequence[StreamStage],
@@ -199,6 +286,8 @@ def time_streaming_ring(kernel_cache: KernelCache, device: torch.device, stages:
     grid barriers, which only the other warps cross."""
     if ring_slots < 2:
         raise ValueError(f"ring_slots must be at least 2, got {ring_slots}")
+    if any(stage.edge_after not in (StreamEdge.NONE, StreamEdge.GRID) for stage in stages):
+        raise ValueError("the ring probe crosses grid barriers only: its stages' edges must be NONE or GRID")
     slot_bytes = ring_bytes // ring_slots
     if ring_bytes > MAX_LOOKAHEAD_BYTES or slot_bytes < VECTOR_BYTES or ring_bytes != slot_bytes * ring_slots \
             or slot_bytes % VECTOR_BYTES:
@@ -207,7 +296,7 @@ def time_streaming_ring(kernel_cache: KernelCache, device: torch.device, stages:
     streamed = _StreamedBytes(stages, device)
     probe = _Probe(lambda arch: kernel_cache.stream_ring_probe(arch, ring_slots), device,
                    dynamic_shared_bytes=ring_bytes)
-    args = (streamed.data.data_ptr(), streamed.stage_ends.data_ptr(), streamed.barrier_after.data_ptr(),
+    args = (streamed.data.data_ptr(), streamed.stage_ends.data_ptr(), streamed.edge_after.data_ptr(),
             np.int32(slot_bytes // VECTOR_BYTES), streamed.checksum.data_ptr())
     return streamed.seconds_per_launch(probe, args, launches)
 

@@ -21,7 +21,11 @@ with 0, 2 (the fewest a dense layer allows, and the megakernel's), 3 or 4 grid b
 nothing else between the loads, the fastest that a kernel with those edges could be; and the same
 bytes loaded by a loader warp per SM
 into a ring of shared memory that never waits at the barriers (`ring_streaming`), what a kernel
-whose loads run past its edges could be.
+whose loads run past its edges could be; and the same with 2 grid barriers per layer and the
+layer's inner edges (QKV -> attention -> O) as counts over each KV head's CTAs, as the megakernel
+crosses them, or in clusters of 8 and 16 CTAs as counts and as cluster barriers, on the grid such
+clusters fill (`inner_edges`): what handing QKV rows and attention partials on within a cluster
+could save, and what the SMs a cluster grid leaves idle cost.
 
 `--kernel-sources NAME=DIR ...` times edited copies of the kernel sources beside the package's own
 (methods `megakernel:NAME` beside `megakernel`), on the same weights and cache: their CUDA graphs are
@@ -49,7 +53,9 @@ import torch
 from megaserve.kernels.barrier_probe import (
     RING_BYTES,
     RING_SLOTS,
+    StreamEdge,
     StreamStage,
+    cluster_grid,
     time_grid_barrier,
     time_streaming_ring,
     time_streaming_step,
@@ -136,6 +142,7 @@ class Result:
     # grid barriers per layer it crosses (streaming_ceiling)
     stream_ms: dict[int, float] = field(default_factory=dict)
     ring_stream_ms: dict[int, float] = field(default_factory=dict)  # the same with the loader ring (ring_streaming)
+    inner_edge_ms: list[InnerEdgeProbe] = field(default_factory=list)  # the inner edges' probe (inner_edges)
     error: str | None = None  # set (and the figures NaN) when this method failed to run
 
 
@@ -164,13 +171,19 @@ STREAM_BARRIERS_PER_LAYER = (0, 2, 3, 4)
 _STREAM_BARRIER_STAGES = {0: (), 2: ("o_proj", "mlp"), 3: ("attention", "o_proj", "mlp"), 4: STAGES_PER_LAYER}
 
 
-def streaming_stages(config: ModelConfig, context_len: int, barriers_per_layer: int) -> list[StreamStage]:
+def streaming_stages(config: ModelConfig, context_len: int, barriers_per_layer: int,
+                     inner_edge: StreamEdge = StreamEdge.NONE) -> list[StreamStage]:
     """The step as stream_stages runs it: every layer's stage_read_bytes in order, then the LM head,
-    with a grid barrier after the stages _STREAM_BARRIER_STAGES names."""
+    with a grid barrier after the stages _STREAM_BARRIER_STAGES names and `inner_edge` after the
+    layer's other stages before O (_INNER_EDGE_STAGES)."""
     per_step = stage_read_bytes(config, context_len)
     after = _STREAM_BARRIER_STAGES[barriers_per_layer]
-    layer = [StreamStage(name, per_step[name] // config.num_layers, name in after) for name in STAGES_PER_LAYER]
-    return [*layer * config.num_layers, StreamStage(FINAL_STAGE, per_step[FINAL_STAGE], False)]
+
+    def edge(name: str) -> StreamEdge:
+        return StreamEdge.GRID if name in after else inner_edge if name in _INNER_EDGE_STAGES else StreamEdge.NONE
+
+    layer = [StreamStage(name, per_step[name] // config.num_layers, edge(name)) for name in STAGES_PER_LAYER]
+    return [*layer * config.num_layers, StreamStage(FINAL_STAGE, per_step[FINAL_STAGE], StreamEdge.NONE)]
 
 
 def streaming_ceiling(config: ModelConfig, context_len: int, kernel_cache: KernelCache,
@@ -180,6 +193,45 @@ def streaming_ceiling(config: ModelConfig, context_len: int, kernel_cache: Kerne
     else between its loads, could be."""
     return {count: time_streaming_step(kernel_cache, device, streaming_stages(config, context_len, count)) * 1e3
             for count in STREAM_BARRIERS_PER_LAYER}
+
+
+# The stages that end at a layer's inner edges: QKV (attention on a KV head waits for that head's
+# rows) and attention (O on a slice of channels waits for their heads' splits).
+_INNER_EDGE_STAGES = ("qkv", "attention")
+# Cluster sizes of the inner-edge probe: a KV head's CTAs on the 8B and 1B shapes on 132 SMs (16:
+# one cluster per head would hand QKV rows and partials on in shared memory), and half of it.
+INNER_EDGE_CLUSTER_CTAS = (8, 16)
+
+
+@dataclass(frozen=True)
+class InnerEdgeProbe:
+    """The streaming probe with 2 grid barriers per layer and the layer's inner edges as `edge`, on a
+    grid of `ctas` CTAs (in clusters of `cluster_ctas`): its ms per step."""
+
+    edge: str
+    cluster_ctas: int
+    ctas: int
+    ms: float
+
+
+def inner_edges(config: ModelConfig, context_len: int, kernel_cache: KernelCache,
+                device: torch.device) -> list[InnerEdgeProbe]:
+    """What the layer's inner edges cost a step with no dependent work: the streaming probe with 2
+    grid barriers per layer and its inner edges as the megakernel crosses them (counts over a KV
+    head's grid // kv_heads CTAs, on the whole grid), then, for each INNER_EDGE_CLUSTER_CTAS, on the
+    grid that clusters of that size fill, as the same counts over each cluster and as cluster
+    barriers (each CTA's payload in the others' shared memory)."""
+    whole = cluster_grid(kernel_cache, device, 1)
+    counted = streaming_stages(config, context_len, 2, StreamEdge.GROUP)
+    probes = [InnerEdgeProbe("counts", 1, whole, 1e3 * time_streaming_step(
+        kernel_cache, device, counted, group_ctas=max(1, whole // config.num_kv_heads)))]
+    for size in INNER_EDGE_CLUSTER_CTAS:
+        ctas = cluster_grid(kernel_cache, device, size)
+        for name, edge in (("counts", StreamEdge.GROUP), ("cluster barriers", StreamEdge.CLUSTER)):
+            stages = streaming_stages(config, context_len, 2, edge)
+            ms = 1e3 * time_streaming_step(kernel_cache, device, stages, group_ctas=size, cluster_ctas=size)
+            probes.append(InnerEdgeProbe(name, size, ctas, ms))
+    return probes
 
 
 # Grid barriers per layer of the ring probe: none (the ring's own rate) and three, the megakernel's
@@ -313,6 +365,7 @@ def bench_context(
                 if method == MEGAKERNEL:
                     extra["stream_ms"] = streaming_ceiling(model.config, context + 1, kernel_caches[method], device)
                     extra["ring_stream_ms"] = ring_streaming(model.config, context + 1, kernel_caches[method], device)
+                    extra["inner_edge_ms"] = inner_edges(model.config, context + 1, kernel_caches[method], device)
                 yield method, (statistics.median(round_seconds), launches, extra)
     baselines = {
         "eager": lambda: (time_steps(eager, EAGER_TIMED_STEPS), count_kernel_launches(eager), {}),
@@ -448,6 +501,11 @@ def _stage_table(r: Result, bandwidth: float) -> list[str]:
     if r.ring_stream_ms:
         lines.append(f"the same loaded by a loader warp per SM into a {RING_BYTES // 1024} KB ring of {RING_SLOTS} "
                      "slots, past the barriers: " + per_barrier_count(r.ring_stream_ms))
+    if r.inner_edge_ms:
+        lines.append("the same with 2 barriers per layer and the inner edges (QKV -> attention -> O) as: " + ", ".join(
+            f"{p.edge} {'over the KV heads' if p.cluster_ctas == 1 else f'in clusters of {p.cluster_ctas}'} on "
+            f"{p.ctas} CTAs {p.ms:.3f} ms ({100 * step_bytes / (p.ms * 1e-3) / bandwidth:.1f}%)"
+            for p in r.inner_edge_ms))
     return lines
 
 

@@ -8,7 +8,9 @@ import torch
 
 from megaserve.kernels.barrier_probe import (
     MAX_LOOKAHEAD_BYTES,
+    StreamEdge,
     StreamStage,
+    cluster_grid,
     time_barrier_after_code,
     time_grid_barrier,
     time_streaming_ring,
@@ -43,9 +45,15 @@ def test_a_longer_stretch_of_code_costs_more_per_round(kernel_cache):
 STREAM_STAGES_BYTES = (12_582_912 + 48, 16, 8_388_608 + 1_000, 100_663_296 + 16 * 7, 160_000_000)
 
 
-def _stages(barriers: bool) -> list[StreamStage]:
-    return [StreamStage(f"s{i}", size, barriers and i + 1 < len(STREAM_STAGES_BYTES))
-            for i, size in enumerate(STREAM_STAGES_BYTES)]
+def _stages(barriers: bool, edge: StreamEdge = StreamEdge.GRID) -> list[StreamStage]:
+    """STREAM_STAGES_BYTES with `edge` after every stage but the last (if `barriers`), and a grid
+    barrier after the third whatever `edge` is, as a layer's O stage has."""
+    def edge_after(i: int) -> StreamEdge:
+        if not barriers or i + 1 == len(STREAM_STAGES_BYTES):
+            return StreamEdge.NONE
+        return StreamEdge.GRID if i == 2 else edge
+
+    return [StreamStage(f"s{i}", size, edge_after(i)) for i, size in enumerate(STREAM_STAGES_BYTES)]
 
 
 def test_the_streaming_probe_reads_every_vector_once_and_its_barriers_cost_time(kernel_cache):
@@ -62,6 +70,33 @@ def test_the_streaming_probe_reads_every_vector_once_and_its_barriers_cost_time(
         seconds = time_streaming_step(kernel_cache, device, stages, ahead_warps, lookahead_bytes)
         # 300 MB at an HBM3e rate, between 1 and 6 TB/s, plus four barriers
         assert read_bytes / 6e12 < seconds < read_bytes / 1e12 + 4 * PLAUSIBLE_SECONDS[1]
+
+
+def test_clusters_fill_at_most_the_gpu_and_at_least_one_cluster(kernel_cache):
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    assert cluster_grid(kernel_cache, device, 1) == sms
+    for size in (2, 8, 16):
+        ctas = cluster_grid(kernel_cache, device, size)
+        assert ctas % size == 0 and size <= ctas <= sms
+
+
+def test_group_and_cluster_edges_hand_every_payload_on_and_cost_time(kernel_cache):
+    """time_streaming_step raises when a payload was read before it was handed on (the sum of those
+    received is wrong) or a group's counter is off a phase boundary; here over groups that do and do
+    not divide the grid, one group of the whole grid (more payload vectors than a CTA has threads),
+    and clusters of 1, 2, 8 and 16 CTAs (16: non-portable)."""
+    device = torch.device("cuda")
+    read_bytes = sum(STREAM_STAGES_BYTES)
+    variants = ((StreamEdge.GROUP, 16, 1), (StreamEdge.GROUP, 7, 1), (StreamEdge.GROUP, 1024, 1),
+                (StreamEdge.GROUP, 8, 8),
+                (StreamEdge.CLUSTER, 1, 1), (StreamEdge.CLUSTER, 1, 2), (StreamEdge.CLUSTER, 1, 8),
+                (StreamEdge.CLUSTER, 1, 16))
+    for edge, group_ctas, cluster_ctas in variants:
+        seconds = time_streaming_step(kernel_cache, device, _stages(True, edge), group_ctas=group_ctas,
+                                      cluster_ctas=cluster_ctas)
+        # 300 MB between 0.5 and 6 TB/s (a grid of clusters may hold fewer CTAs than SMs), plus four edges
+        assert read_bytes / 6e12 < seconds < read_bytes / 0.5e12 + 4 * PLAUSIBLE_SECONDS[1]
 
 
 def test_the_ring_probe_reads_every_vector_once_whatever_its_slots(kernel_cache):

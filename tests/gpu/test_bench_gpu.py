@@ -1,7 +1,7 @@
 """`megaserve bench`'s megakernel method on a real GPU, with an edited copy of the kernel sources
 timed beside the package's own (`--kernel-sources`): one result per build, each timed in every
 round, one launch per step, and a stage breakdown that accounts for the step; the package's own build
-also gets the streaming probe's times over the same bytes."""
+also gets the streaming probes' times over the same bytes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from megaserve.kernels.build import SOURCE_DIR, KernelCache
 from megaserve.kernels.launcher import FINAL_STAGE, STAGES_PER_LAYER
 from megaserve.replicas.bench import (
+    INNER_EDGE_CLUSTER_CTAS,
     MEGAKERNEL,
     RING_BARRIERS_PER_LAYER,
     STREAM_BARRIERS_PER_LAYER,
@@ -50,6 +51,10 @@ def test_a_variant_is_timed_in_every_round_beside_the_package_s_kernel(tmp_path)
     assert list(stream_ms) == list(STREAM_BARRIERS_PER_LAYER) and all(ms > 0 for ms in stream_ms.values())
     ring_ms = measured[MEGAKERNEL][2]["ring_stream_ms"]
     assert list(ring_ms) == list(RING_BARRIERS_PER_LAYER) and all(ms > 0 for ms in ring_ms.values())
+    inner = measured[MEGAKERNEL][2]["inner_edge_ms"]
+    assert [(probe.edge, probe.cluster_ctas) for probe in inner] == [
+        ("counts", 1), *((edge, size) for size in INNER_EDGE_CLUSTER_CTAS for edge in ("counts", "cluster barriers"))]
+    assert all(probe.ms > 0 and probe.ctas % probe.cluster_ctas == 0 for probe in inner)
     assert "stream_ms" not in measured[VARIANT][2]  # the probe streams bytes, whichever the sources
     # each build with and without timing, and the two streaming probes
     assert len(list((tmp_path / "cache").glob("*.cubin"))) == 6

@@ -9,12 +9,14 @@ import shutil
 import pytest
 import torch
 
+from megaserve.kernels.barrier_probe import StreamEdge
 from megaserve.kernels.build import SOURCE_DIR, KernelBuildError, KernelCache
 from megaserve.kernels.launcher import TRANSPOSED_FIELDS, StageTimes
 from megaserve.replicas import bench
 from megaserve.replicas.bench import (
     BENCH_CONFIGS,
     MEGAKERNEL,
+    InnerEdgeProbe,
     Result,
     format_table,
     parse_args,
@@ -78,27 +80,42 @@ def test_the_streaming_probe_reads_the_step_s_bytes_in_its_order_with_its_barrie
     assert [stage.name for stage in stages[:4]] == ["qkv", "attention", "o_proj", "mlp"]
     for name, read_bytes in per_step.items():
         assert sum(stage.read_bytes for stage in stages if stage.name == name) == read_bytes
-    assert sum(stage.barrier_after for stage in stages) == barriers * config.num_layers
-    assert not stages[-1].barrier_after
+    assert sum(stage.edge_after == StreamEdge.GRID for stage in stages) == barriers * config.num_layers
+    assert all(stage.edge_after in (StreamEdge.NONE, StreamEdge.GRID) for stage in stages)
+    assert stages[-1].edge_after == StreamEdge.NONE
     if barriers in (2, 3):  # attention waits for its head's QKV rows, not for a barrier
-        assert not any(stage.barrier_after for stage in stages if stage.name == "qkv")
+        assert all(stage.edge_after == StreamEdge.NONE for stage in stages if stage.name == "qkv")
     if barriers == 2:  # and O for its heads' attention: only the stages before the two RMSNorms end at one
-        assert not any(stage.barrier_after for stage in stages if stage.name == "attention")
+        assert all(stage.edge_after == StreamEdge.NONE for stage in stages if stage.name == "attention")
+
+
+@pytest.mark.parametrize("inner_edge", [StreamEdge.GROUP, StreamEdge.CLUSTER])
+def test_the_inner_edges_follow_qkv_and_attention_and_the_grid_barriers_stay(inner_edge):
+    config = ModelConfig.from_hf_dict(BENCH_CONFIGS["Llama-3.2-1B"])
+    stages = streaming_stages(config, 1025, 2, inner_edge)
+    assert [stage.edge_after for stage in stages[:4]] == [inner_edge, inner_edge, StreamEdge.GRID, StreamEdge.GRID]
+    assert stages[4:8] == stages[:4] and stages[-1].edge_after == StreamEdge.NONE
 
 
 def test_the_stage_table_gives_the_streaming_probe_s_share_of_the_roofline():
     result = Result("Llama-3.2-1B", 1024, "megakernel", 2.0, 500.0, 1, 0.75, stage_ms={"qkv": 2.0},
                     stage_bytes={"qkv": 4_000_000_000}, timing_cost_ms=0.0, stream_ms={0: 1.0, 3: 1.25},
-                    ring_stream_ms={0: 1.0, 3: 2.0})
+                    ring_stream_ms={0: 1.0, 3: 2.0},
+                    inner_edge_ms=[InnerEdgeProbe("counts", 1, 132, 1.6),
+                                   InnerEdgeProbe("cluster barriers", 8, 120, 2.0)])
     table = format_table([result], 4e12, barrier_seconds=1e-6)
     assert ("streaming probe, the same bytes with nothing between the loads but grid barriers: "
             "0 per layer 1.000 ms (100.0%), 3 per layer 1.250 ms (80.0%)") in table
     assert ("the same loaded by a loader warp per SM into a 64 KB ring of 4 slots, past the barriers: "
             "0 per layer 1.000 ms (100.0%), 3 per layer 2.000 ms (50.0%)") in table
+    assert ("the same with 2 barriers per layer and the inner edges (QKV -> attention -> O) as: counts over the KV "
+            "heads on 132 CTAs 1.600 ms (62.5%), cluster barriers in clusters of 8 on 120 CTAs 2.000 ms (50.0%)"
+            ) in table
     without_probes = format_table([Result("Llama-3.2-1B", 1024, "megakernel", 2.0, 500.0, 1, 0.75,
                                           stage_ms={"qkv": 2.0}, stage_bytes={"qkv": 4_000_000_000},
                                           timing_cost_ms=0.0)], 4e12, None)
     assert "streaming probe" not in without_probes and "loader warp" not in without_probes
+    assert "inner edges" not in without_probes
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -239,11 +256,18 @@ def _stand_in_for_the_gpu(monkeypatch, tmp_path, failing=frozenset()):
         replay(), replay()  # a warm-up and the profiled call
         return 1
 
-    def time_streaming_step(kernel_cache, device, stages):  # 1 ms per GB and 1 µs per barrier
-        return sum(stage.read_bytes for stage in stages) * 1e-12 + sum(stage.barrier_after for stage in stages) * 1e-6
+    def time_streaming_step(kernel_cache, device, stages, group_ctas=1, cluster_ctas=1):
+        # 1 ms per GB, 1 µs per grid barrier, and an inner edge 1 ns per CTA of its group or cluster
+        inner = {StreamEdge.GROUP: group_ctas, StreamEdge.CLUSTER: cluster_ctas}
+        return (sum(stage.read_bytes for stage in stages) * 1e-12
+                + sum(stage.edge_after == StreamEdge.GRID for stage in stages) * 1e-6
+                + sum(inner.get(stage.edge_after, 0) for stage in stages) * 1e-9)
 
     def time_streaming_ring(kernel_cache, device, stages):  # the loader ring: 2 µs per barrier
-        return sum(stage.read_bytes for stage in stages) * 1e-12 + sum(stage.barrier_after for stage in stages) * 2e-6
+        return sum(stage.read_bytes for stage in stages) * 1e-12 + sum(stage.edge_after for stage in stages) * 2e-6
+
+    def cluster_grid(kernel_cache, device, cluster_ctas):  # an H200's: 15 clusters of 8 at once, 7 of 16
+        return {1: 132, 8: 120, 16: 112}[cluster_ctas]
 
     monkeypatch.setattr(bench, "DecodeStep", Step)
     monkeypatch.setattr(bench, "capture", Graph)
@@ -251,6 +275,7 @@ def _stand_in_for_the_gpu(monkeypatch, tmp_path, failing=frozenset()):
     monkeypatch.setattr(bench, "count_kernel_launches", count_kernel_launches)
     monkeypatch.setattr(bench, "time_streaming_step", time_streaming_step)
     monkeypatch.setattr(bench, "time_streaming_ring", time_streaming_ring)
+    monkeypatch.setattr(bench, "cluster_grid", cluster_grid)
     shutil.copytree(SOURCE_DIR, tmp_path / "copy", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     caches = {MEGAKERNEL: KernelCache(tmp_path / "cache"), "megakernel:copy": KernelCache(tmp_path, tmp_path / "copy")}
     return timings, caches, steps
@@ -278,7 +303,18 @@ def test_the_builds_are_timed_in_turn_every_round(tmp_path, monkeypatch):
     assert extra["stream_ms"] == pytest.approx({0: step_ms, 2: step_ms + 2 * 2e-3, 3: step_ms + 2 * 3e-3,
                                                 4: step_ms + 2 * 4e-3})
     assert extra["ring_stream_ms"] == pytest.approx({0: step_ms, 3: step_ms + 2 * 3 * 2e-3})
-    assert "stream_ms" not in measured["megakernel:copy"][2] and "ring_stream_ms" not in measured["megakernel:copy"][2]
+    # The inner edges: counts over TINY_CONFIG's one KV head (132 CTAs), then per cluster size counts and
+    # cluster barriers, 2 layers of 2 edges each
+    two_barriers = step_ms + 2 * 2e-3
+    assert extra["inner_edge_ms"] == [
+        InnerEdgeProbe("counts", 1, 132, pytest.approx(two_barriers + 4 * 132e-6)),
+        InnerEdgeProbe("counts", 8, 120, pytest.approx(two_barriers + 4 * 8e-6)),
+        InnerEdgeProbe("cluster barriers", 8, 120, pytest.approx(two_barriers + 4 * 8e-6)),
+        InnerEdgeProbe("counts", 16, 112, pytest.approx(two_barriers + 4 * 16e-6)),
+        InnerEdgeProbe("cluster barriers", 16, 112, pytest.approx(two_barriers + 4 * 16e-6)),
+    ]
+    for probe in ("stream_ms", "ring_stream_ms", "inner_edge_ms"):
+        assert probe not in measured["megakernel:copy"][2]
 
 
 @pytest.mark.parametrize("failing", ["copy", "copy+timing"])
