@@ -151,6 +151,7 @@ def router_settings(config: AppConfig, env: Environment, model_dir: str) -> Rout
         throughput_replicas=config.throughput.num_replicas,
         api_keys=env.api_keys,
         max_body_bytes=config.routing.max_body_bytes,
+        body_timeout_seconds=config.routing.body_timeout_seconds,
         latency_max_prompt_tokens=config.routing.latency_max_prompt_tokens,
         latency_wait_seconds=config.routing.latency_wait_seconds,
         spillover=config.routing.spillover,

@@ -22,6 +22,7 @@ from megaserve.replicas.engines.sglang_engine import check_engine_args as check_
 from megaserve.replicas.protocol import CoalescePolicy
 from megaserve.router.settings import (
     ANY_ORIGIN,
+    DEFAULT_BODY_TIMEOUT_SECONDS,
     DEFAULT_LATENCY_MAX_PROMPT_TOKENS,
     DEFAULT_LATENCY_WAIT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -332,6 +333,11 @@ class Routing(_Strict):
     )
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="Larger request bodies get 413."
+    )
+    body_timeout_seconds: float = Field(
+        DEFAULT_BODY_TIMEOUT_SECONDS, gt=0, le=3600, description="A request body that has not fully "
+        "arrived this many seconds after the headers gets 408 (a slow client holds a router slot "
+        "meanwhile). The default lets the default max_body_bytes arrive at 1 Mbit/s.",
     )
     router_replicas: int = Field(
         1, ge=1, description="Router (HTTP ingress) replicas. Each admits its share of every tier's "

@@ -24,6 +24,9 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt of plain text fi
 DEFAULT_LATENCY_MAX_PROMPT_TOKENS = 4096
 DEFAULT_LATENCY_WAIT_SECONDS = 0.05  # a few batch-1 steps: spill over rather than queue long
 DEFAULT_RETRY_AFTER_SECONDS = 1
+# The whole body must arrive within this: the default limit's 4 MB takes 34 s at 1 Mbit/s. A client
+# that sends slower holds a router slot, and a request of the router's replica, until it is done.
+DEFAULT_BODY_TIMEOUT_SECONDS = 60.0
 # A throughput request finds a slot at once or gets 429: its replicas queue in their own engine
 # (max_ongoing_requests), so a wait at the router would only add latency.
 THROUGHPUT_WAIT_SECONDS = 0.0
@@ -44,6 +47,7 @@ class RouterSettings:
     throughput_replicas: int = 1  # the same for throughput_capacity
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # accepted bearer tokens; empty disables auth
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    body_timeout_seconds: float = DEFAULT_BODY_TIMEOUT_SECONDS  # bodies slower than this get 408
     # service_tier "auto": longer prompts go to throughput
     latency_max_prompt_tokens: int = DEFAULT_LATENCY_MAX_PROMPT_TOKENS
     latency_wait_seconds: float = DEFAULT_LATENCY_WAIT_SECONDS  # how long a latency request waits for a free slot
@@ -70,6 +74,8 @@ class RouterSettings:
             raise ValueError(f"latency_wait_seconds must be >= 0, got {self.latency_wait_seconds}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if not self.body_timeout_seconds > 0:
+            raise ValueError(f"body_timeout_seconds must be positive, got {self.body_timeout_seconds}")
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds}")
 

@@ -53,6 +53,7 @@ def test_every_field_has_a_description():
     ({"latency": {"device": "cuda", "engine": "torch", "tp_size": 4}}, "latency.tp_size > 1 needs engine megakernel"),
     ({"throughput": {"device": "cuda", "tp_size": 2}}, "throughput.tp_size > 1 needs engine sglang"),
     ({"routing": {"latency_wait_seconds": -1}}, "latency_wait_seconds"),
+    ({"routing": {"body_timeout_seconds": 0}}, "routing.body_timeout_seconds\n  Input should be greater than 0"),
     ({"model": {"dtype": "float16"}, "latency": {"device": "cuda"}}, "runs bfloat16 weights, not model.dtype float16"),
     ({"unknown_section": {}}, "unknown_section"),
     ({"model": {"path": ""}}, "model.path\n.*must be an absolute path"),
@@ -79,6 +80,7 @@ def test_bad_configs_fail_with_a_message_naming_the_problem(args, message):
     "latency: {coalesce_seconds: .nan}",
     "throughput: {cpus_per_replica: .inf}",
     "routing: {latency_wait_seconds: .nan}",
+    "routing: {body_timeout_seconds: .inf}",
     "routing: {router_cpus: .inf}",
     "throughput: {device: cuda, engine: sglang, sglang_mem_fraction_static: .nan}",
 ])

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
+from megaserve.router.backend import EngineBackend
 from megaserve.router.openai_schema import MAX_MESSAGES, MAX_STOP_CHARS
 
 from .conftest import MODEL
@@ -220,6 +221,42 @@ def test_refusals_are_counted_and_the_server_keeps_serving(router_url):
     assert invalid._value.get() == before + len(BAD_REQUESTS)
     served = httpx.post(router_url + CHAT, content=chat(max_tokens=2))
     assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"]
+
+
+BODY_TIMEOUT_SECONDS = 0.5
+
+
+def test_a_body_slower_than_the_timeout_is_408_and_closes_the_connection(serve_router, engines):
+    """A client that sends its headers and then its body too slowly (a slowloris) gets 408 once the
+    body timeout has passed, and the connection is closed; one that sends it in time is served."""
+    url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()},
+                       body_timeout_seconds=BODY_TIMEOUT_SECONDS)
+    timeouts = REJECTED_REQUESTS.labels(model=MODEL, reason="timeout")
+    before = timeouts._value.get()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10 * BODY_TIMEOUT_SECONDS) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        started = time.monotonic()
+        answer = b""
+        while chunk := sock.recv(65536):  # until the router closes the connection
+            answer += chunk
+        waited = time.monotonic() - started
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "body_timeout" and "10 bytes" in error["message"], error
+    assert BODY_TIMEOUT_SECONDS <= waited < 8 * BODY_TIMEOUT_SECONDS
+    assert timeouts._value.get() == before + 1
+
+    def slow_but_in_time():  # the body in three parts, well within the timeout in all
+        content = chat(max_tokens=1)
+        for part in (content[:5], content[5:20], content[20:]):
+            time.sleep(BODY_TIMEOUT_SECONDS / 10)
+            yield part
+
+    served = httpx.post(url + CHAT, content=slow_but_in_time())
+    assert served.status_code == 200, served.text
 
 
 def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(router_url, caplog):

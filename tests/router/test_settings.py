@@ -1,4 +1,4 @@
-"""Router replicas' shares of the tiers' capacities (router_share)."""
+"""Router settings: replicas' shares of the tiers' capacities (router_share), and what the settings refuse."""
 
 from __future__ import annotations
 
@@ -32,3 +32,10 @@ def test_the_api_keys_stay_out_of_the_settings_repr():
     settings = RouterSettings(model_name="m", model_dir="/models/m", max_context=16, latency_capacity=1,
                               throughput_capacity=1, api_keys=("sk-secret-key",))
     assert "sk-secret-key" not in repr(settings) and settings.api_keys == ("sk-secret-key",)
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan")])
+def test_a_body_timeout_that_is_not_positive_is_refused(seconds):
+    with pytest.raises(ValueError, match="body_timeout_seconds must be positive"):
+        RouterSettings(model_name="m", model_dir="/models/m", max_context=16, latency_capacity=1,
+                       throughput_capacity=1, body_timeout_seconds=seconds)
