@@ -335,9 +335,10 @@ class Routing(_Strict):
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="Larger request bodies get 413."
     )
     body_timeout_seconds: float = Field(
-        DEFAULT_BODY_TIMEOUT_SECONDS, gt=0, le=3600, description="A request body that has not fully "
-        "arrived this many seconds after the headers gets 408 (a slow client holds a router slot "
-        "meanwhile). The default lets the default max_body_bytes arrive at 1 Mbit/s.",
+        DEFAULT_BODY_TIMEOUT_SECONDS, gt=0, description="A request body that has not fully arrived "
+        "this many seconds after the headers gets 408 (a slow client holds a connection and one of "
+        "the router's ongoing requests meanwhile). The default lets the default max_body_bytes "
+        "arrive at 1 Mbit/s.",
     )
     router_replicas: int = Field(
         1, ge=1, description="Router (HTTP ingress) replicas. Each admits its share of every tier's "

@@ -120,9 +120,10 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* barrier, unsig
 // as the megakernel hands on QKV rows and attention partials: through global memory (L2) to its
 // group, into the shared memory of each CTA of its cluster.
 enum StreamEdge { kEdgeNone = 0, kEdgeGrid = 1, kEdgeGroup = 2, kEdgeCluster = 3 };
-constexpr int kPayloadVecs = 4;      // Llama-3.2-1B's QKV GEMV: 24 bf16 rows per CTA, 3 vectors
+// 64 bytes: a CTA's QKV rows are 3 vectors on Llama-3.2-1B (24 bf16 rows), 6 on the 8B shapes.
+constexpr int kPayloadVecs = 4;
 constexpr int kMaxClusterCtas = 16;  // the largest cluster Hopper and Blackwell allow (non-portable)
-constexpr int kMailboxes = 2;        // a payload's mailbox alternates by edge (see hand_on)
+constexpr int kMailboxes = 2;        // a payload's mailbox alternates by edge of its kind (see stream_stages)
 
 __device__ __forceinline__ unsigned cluster_rank() {
   unsigned rank;
@@ -142,7 +143,12 @@ __device__ __forceinline__ void store_to_cluster_cta(const void* local, unsigned
                "r"(v.w)
                : "memory");
 }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 // Payload vector v of CTA `from` at its mailed-th group or cluster edge; w carries a word of what
@@ -167,12 +173,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ unsigned long long lookahead_landed;
   __shared__ uint4 inbox[kMailboxes][kMaxClusterCtas][kPayloadVecs];  // from each CTA of the cluster
   if (threadIdx.x == 0) mbarrier_init(&lookahead_landed, 1);
+  // Zeros in the inbox, so that a payload read before it was handed on cannot pass for one of the
+  // last launch; then every CTA of the cluster has started (and zeroed) before any writes into it.
+  for (int i = threadIdx.x; i < kMailboxes * kMaxClusterCtas * kPayloadVecs; i += kThreads)
+    (&inbox[0][0][0])[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
+  cluster_arrive_relaxed();
+  cluster_wait();
   const bool loads_ahead = static_cast<int>(threadIdx.x) / kWarpSize < ahead_warps;
   const int group = blockIdx.x / group_ctas, group_first = group * group_ctas;
   const int group_members = min(group_ctas, static_cast<int>(gridDim.x) - group_first);
   const unsigned rank = cluster_rank(), cluster_size = cluster_ctas();
-  unsigned folded = 0, received = 0, phase = 0, mailed = 0;
+  unsigned folded = 0, received = 0, phase = 0;
+  unsigned mailed = 0;                         // group and cluster edges so far: the payloads' y
+  unsigned group_edges = 0, cluster_edges = 0;  // of each kind: their mailboxes alternate
   StreamChunk ahead;
   bool have_ahead = false;  // `ahead` holds this thread's first chunk of the stage's register part
   long long copied = 0;     // the stage's first vectors of the CTA's slice, in `lookahead`
@@ -210,15 +224,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     };
-    // A mailbox written at this edge is read before its readers pass their next edge, and written
-    // again only at the edge after that, which no CTA of the group passes before all have.
-    const int mailbox = mailed % kMailboxes;
+    // A mailbox written at this edge is read before its readers arrive at their next edge of the
+    // same kind, and written again only at the edge of that kind after it, which no CTA of the
+    // group passes before all have arrived. (Counted over both kinds, an edge of the other kind
+    // between them, over other CTAs, would order nothing.)
     const int t = threadIdx.x;
     if (edge == kEdgeGrid) {
       const unsigned before = grid_arrive(counter);  // its __syncthreads: every read of `lookahead` is done
       read_ahead();
       grid_wait(counter, before);
     } else if (edge == kEdgeGroup) {
+      const int mailbox = group_edges++ % kMailboxes;
       if (t < kPayloadVecs)
         exchange[(blockIdx.x * kMailboxes + mailbox) * kPayloadVecs + t] = payload(blockIdx.x, mailed, t, folded);
       const unsigned before = publish_and_add(group_counts + group,
@@ -230,6 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         received += payload_sum(__ldcg(exchange + (from * kMailboxes + mailbox) * kPayloadVecs + i % kPayloadVecs));
       }
     } else {
+      const int mailbox = cluster_edges++ % kMailboxes;
       static_assert(kMaxClusterCtas * kPayloadVecs <= kThreads, "a thread per payload vector of the cluster");
       if (t < static_cast<int>(cluster_size) * kPayloadVecs)
         store_to_cluster_cta(&inbox[mailbox][rank][t % kPayloadVecs], t / kPayloadVecs,

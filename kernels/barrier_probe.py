@@ -204,12 +204,15 @@ class _StreamedBytes:
         self.checksum = torch.zeros(2, dtype=torch.int32, device=device)  # the words' XOR, the payloads' sum
 
     def seconds_per_launch(self, probe: _Probe, args: tuple, launches: int, received: int = 0,
-                           group_counts: torch.Tensor | None = None) -> float:
+                           group_counts: torch.Tensor | None = None, mailboxes: torch.Tensor | None = None) -> float:
         """Seconds per launch of `probe` (which takes (counter, stages, *args), args holding the checksum's
         address), once its XOR of every word read, the sum of the payloads it handed on (`received`)
-        and its barrier counters are checked."""
+        and its barrier counters are checked. `mailboxes` are zeroed before the checked launch, so
+        that a payload read before it was handed on cannot pass for the same one of the launch before."""
         probe.launch(self.stages, args)  # module load, first launch
         self.checksum.zero_()
+        if mailboxes is not None:
+            mailboxes.zero_()
         probe.launch(self.stages, args)
         expected, folded = xor_of_words(self.data), int(self.checksum[0].item()) & WORD_MASK
         if folded != expected:
@@ -266,12 +269,13 @@ def time_streaming_step(kernel_cache: KernelCache, device: torch.device, stages:
             np.int32(ahead_warps), np.int32(lookahead_bytes // VECTOR_BYTES), group_counts.data_ptr(),
             np.int32(group_ctas), exchange.data_ptr(), streamed.checksum.data_ptr())
     received = streamed.received_sum(probe.grid, group_ctas, cluster_ctas)
-    return streamed.seconds_per_launch(probe, args, launches, received, group_counts)
+    return streamed.seconds_per_launch(probe, args, launches, received, group_counts, exchange)
 
 
 def cluster_grid(kernel_cache: KernelCache, device: torch.device, cluster_ctas: int) -> int:
-    """CTAs of stream_stages (one per SM) that `device` holds at once in clusters of `cluster_ctas`:
-    the grid time_streaming_step launches with them."""
+    """CTAs of stream_stages (one per SM, with no lookahead in shared memory) that `device` holds at
+    once in clusters of `cluster_ctas`: the grid that time_streaming_step launches in such clusters
+    without lookahead."""
     if not 1 <= cluster_ctas <= MAX_CLUSTER_CTAS:
         raise ValueError(f"cluster_ctas must be between 1 and {MAX_CLUSTER_CTAS}, got {cluster_ctas}")
     return _Probe(kernel_cache.stream_probe, device, cluster_ctas=cluster_ctas).grid

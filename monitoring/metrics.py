@@ -113,7 +113,7 @@ FINISHED_REQUESTS = Counter(
 )
 # The label values the router's counters take (router/policy.py, router/errors.py, router/generation.py).
 ROUTE_REASONS = ("requested", "header", "policy", "prompt_length", "n", "spillover", "only_tier")
-REJECTION_REASONS = ("invalid", "unauthorized", "saturated", "unavailable")
+REJECTION_REASONS = ("invalid", "unauthorized", "timeout", "saturated", "unavailable")
 FINISH_REASONS = ("stop", "length", "abort", "cancelled", "error")
 
 

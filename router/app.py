@@ -254,16 +254,16 @@ class _Router:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        deadline = self.settings.body_timeout_seconds
+        timeout_seconds = self.settings.body_timeout_seconds
         try:
-            async with asyncio.timeout(deadline):
+            async with asyncio.timeout(timeout_seconds):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
                         raise too_large
                     chunks.append(chunk)
         except TimeoutError:
-            raise APIError(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {deadline:g} s (it had "
+            raise APIError(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {timeout_seconds:g} s (it had "
                            f"{size} bytes); send it faster", code="body_timeout", reason="timeout",
                            headers={"Connection": "close"}) from None
         except self.disconnect_errors as error:  # the client left: answered as Starlette's own case is

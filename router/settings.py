@@ -25,7 +25,8 @@ DEFAULT_LATENCY_MAX_PROMPT_TOKENS = 4096
 DEFAULT_LATENCY_WAIT_SECONDS = 0.05  # a few batch-1 steps: spill over rather than queue long
 DEFAULT_RETRY_AFTER_SECONDS = 1
 # The whole body must arrive within this: the default limit's 4 MB takes 34 s at 1 Mbit/s. A client
-# that sends slower holds a router slot, and a request of the router's replica, until it is done.
+# that sends slower holds a connection and one of the router replica's ongoing requests (Serve's
+# max_ongoing_requests) until it is done.
 DEFAULT_BODY_TIMEOUT_SECONDS = 60.0
 # A throughput request finds a slot at once or gets 429: its replicas queue in their own engine
 # (max_ongoing_requests), so a wait at the router would only add latency.

@@ -81,7 +81,7 @@ def test_clusters_fill_at_most_the_gpu_and_at_least_one_cluster(kernel_cache):
         assert ctas % size == 0 and size <= ctas <= sms
 
 
-def test_group_and_cluster_edges_hand_every_payload_on_and_cost_time(kernel_cache):
+def test_group_and_cluster_edges_hand_every_payload_on(kernel_cache):
     """time_streaming_step raises when a payload was read before it was handed on (the sum of those
     received is wrong) or a group's counter is off a phase boundary; here over groups that do and do
     not divide the grid, one group of the whole grid (more payload vectors than a CTA has threads),

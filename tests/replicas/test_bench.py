@@ -257,14 +257,16 @@ def _stand_in_for_the_gpu(monkeypatch, tmp_path, failing=frozenset()):
         return 1
 
     def time_streaming_step(kernel_cache, device, stages, group_ctas=1, cluster_ctas=1):
-        # 1 ms per GB, 1 µs per grid barrier, and an inner edge 1 ns per CTA of its group or cluster
-        inner = {StreamEdge.GROUP: group_ctas, StreamEdge.CLUSTER: cluster_ctas}
+        # 1 ms per GB, 1 µs per grid barrier, and an inner edge 1 ns per CTA of its group, or 3 ns per
+        # CTA of its cluster
+        inner = {StreamEdge.GROUP: group_ctas, StreamEdge.CLUSTER: 3 * cluster_ctas}
         return (sum(stage.read_bytes for stage in stages) * 1e-12
                 + sum(stage.edge_after == StreamEdge.GRID for stage in stages) * 1e-6
                 + sum(inner.get(stage.edge_after, 0) for stage in stages) * 1e-9)
 
     def time_streaming_ring(kernel_cache, device, stages):  # the loader ring: 2 µs per barrier
-        return sum(stage.read_bytes for stage in stages) * 1e-12 + sum(stage.edge_after for stage in stages) * 2e-6
+        return (sum(stage.read_bytes for stage in stages) * 1e-12
+                + sum(stage.edge_after == StreamEdge.GRID for stage in stages) * 2e-6)
 
     def cluster_grid(kernel_cache, device, cluster_ctas):  # an H200's: 15 clusters of 8 at once, 7 of 16
         return {1: 132, 8: 120, 16: 112}[cluster_ctas]
@@ -309,9 +311,9 @@ def test_the_builds_are_timed_in_turn_every_round(tmp_path, monkeypatch):
     assert extra["inner_edge_ms"] == [
         InnerEdgeProbe("counts", 1, 132, pytest.approx(two_barriers + 4 * 132e-6)),
         InnerEdgeProbe("counts", 8, 120, pytest.approx(two_barriers + 4 * 8e-6)),
-        InnerEdgeProbe("cluster barriers", 8, 120, pytest.approx(two_barriers + 4 * 8e-6)),
+        InnerEdgeProbe("cluster barriers", 8, 120, pytest.approx(two_barriers + 4 * 3 * 8e-6)),
         InnerEdgeProbe("counts", 16, 112, pytest.approx(two_barriers + 4 * 16e-6)),
-        InnerEdgeProbe("cluster barriers", 16, 112, pytest.approx(two_barriers + 4 * 16e-6)),
+        InnerEdgeProbe("cluster barriers", 16, 112, pytest.approx(two_barriers + 4 * 3 * 16e-6)),
     ]
     for probe in ("stream_ms", "ring_stream_ms", "inner_edge_ms"):
         assert probe not in measured["megakernel:copy"][2]

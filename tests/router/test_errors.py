@@ -235,9 +235,9 @@ def test_a_body_slower_than_the_timeout_is_408_and_closes_the_connection(serve_r
     before = timeouts._value.get()
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10 * BODY_TIMEOUT_SECONDS) as sock:
+        started = time.monotonic()  # before the router can see the headers and start its clock
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
-        started = time.monotonic()
         answer = b""
         while chunk := sock.recv(65536):  # until the router closes the connection
             answer += chunk
