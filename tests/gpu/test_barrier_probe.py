@@ -85,16 +85,21 @@ def test_group_and_cluster_edges_hand_every_payload_on(kernel_cache):
     """time_streaming_step raises when a payload was read before it was handed on (the sum of those
     received is wrong) or a group's counter is off a phase boundary; here over groups that do and do
     not divide the grid, one group of the whole grid (more payload vectors than a CTA has threads),
-    and clusters of 1, 2, 8 and 16 CTAs (16: non-portable)."""
+    clusters of 1, 2, 8 and 16 CTAs (16: non-portable), and group and cluster edges mixed."""
     device = torch.device("cuda")
     read_bytes = sum(STREAM_STAGES_BYTES)
     variants = ((StreamEdge.GROUP, 16, 1), (StreamEdge.GROUP, 7, 1), (StreamEdge.GROUP, 1024, 1),
                 (StreamEdge.GROUP, 8, 8),
                 (StreamEdge.CLUSTER, 1, 1), (StreamEdge.CLUSTER, 1, 2), (StreamEdge.CLUSTER, 1, 8),
                 (StreamEdge.CLUSTER, 1, 16))
-    for edge, group_ctas, cluster_ctas in variants:
-        seconds = time_streaming_step(kernel_cache, device, _stages(True, edge), group_ctas=group_ctas,
-                                      cluster_ctas=cluster_ctas)
+    # a group edge, a cluster edge over fewer CTAs, then a group edge again: the group's mailboxes
+    # alternate by group edge, whatever cluster edge comes between
+    mixed = [StreamStage(f"s{i}", size, edge) for i, (size, edge) in enumerate(zip(
+        STREAM_STAGES_BYTES, (StreamEdge.GROUP, StreamEdge.CLUSTER, StreamEdge.GRID, StreamEdge.GROUP, StreamEdge.NONE),
+        strict=True))]
+    runs = [(_stages(True, edge), group_ctas, cluster_ctas) for edge, group_ctas, cluster_ctas in variants]
+    for stages, group_ctas, cluster_ctas in [*runs, (mixed, 16, 8)]:
+        seconds = time_streaming_step(kernel_cache, device, stages, group_ctas=group_ctas, cluster_ctas=cluster_ctas)
         # 300 MB between 0.5 and 6 TB/s (a grid of clusters may hold fewer CTAs than SMs), plus four edges
         assert read_bytes / 6e12 < seconds < read_bytes / 0.5e12 + 4 * PLAUSIBLE_SECONDS[1]
 
