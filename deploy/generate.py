@@ -26,8 +26,7 @@ SSE_DATA = "data: "
 def _prompt_ids(tokenizer, args: argparse.Namespace) -> list[int]:
     if args.raw:
         return tokenizer.encode(args.prompt, add_special_tokens=True)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
 
 
 def _default_device() -> str:

@@ -141,7 +141,7 @@ class _Router:
         messages = [m.template_message() for m in body.messages]
         characters = sum(len(message["content"]) for message in messages)
         try:
-            prompt_ids = await self._tokenize(characters, self._chat_prompt_ids, messages)
+            prompt_ids = await self._tokenize(characters, self.tokenizer.encode_chat, messages)
         except ChatTemplateError as error:
             raise invalid(str(error), "messages") from None
         return await self._generate(request, body, prompt_ids, arrival, chat=True)
@@ -156,10 +156,6 @@ class _Router:
 
     async def _on_large_requests_thread(self, work: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._large_requests, work, *args)
-
-    def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()

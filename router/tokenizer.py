@@ -6,6 +6,11 @@
 - `apply_chat_template` renders the model's Jinja template the way transformers does: a sandboxed
   environment with trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
   a `tojson` that keeps non-ASCII text, and bos_token/eos_token/... as variables.
+- `encode_chat` tokenizes a conversation through the template with the messages' text as text: a
+  special token spelled out inside a message ("<|eot_id|>" in a user's content) becomes the
+  characters it is made of, never the token, so that no message can end its turn or forge another
+  (as OpenAI's API reads message text; vLLM and SGLang encode the rendered prompt as one string,
+  where it would be the token). The template's own special tokens stay tokens.
 - `IncrementalDetokenizer` turns generated ids into text deltas. Byte-level BPE splits a multi-byte
   character (emoji, CJK) across tokens, so a delta is held back while the decoded text ends in an
   incomplete UTF-8 sequence (U+FFFD) and released once the character is whole.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,6 +47,11 @@ INCOMPLETE_CHARACTER_TOKENS = 3
 # character boundary among tokens of several bytes (4-byte characters in 3-byte tokens share one
 # every 4 tokens), few enough that a push costs a handful of decodes.
 RELEASE_CANDIDATES = 8
+# encode_chat stands in for each special token spelled inside a message with a character of Unicode's
+# Supplementary Private Use Area-A that the messages do not hold: no template touches such a
+# character, so it comes through the rendering where the spelling was, and marks it there.
+PLACEHOLDERS = re.compile("[\U000F0000-\U000FFFFD]")
+FIRST_PLACEHOLDER, LAST_PLACEHOLDER = 0xF0000, 0xFFFFD
 
 
 class ChatTemplateError(ValueError):
@@ -59,6 +70,12 @@ class Tokenizer:
         # ids that decoding with skip_special_tokens leaves out
         self.special_ids = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
         self._template = _compile_chat_template(chat_template) if chat_template else None
+        specials = sorted({token.content for token in backend.get_added_tokens_decoder().values() if token.special},
+                          key=len, reverse=True)  # the longest first, where one spelling starts another
+        self._spelled_special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # The same tokenizer with its special tokens read as plain text: for their spellings only.
+        self._as_text = BackendTokenizer.from_str(backend.to_str())
+        self._as_text.encode_special_tokens = True
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -94,6 +111,44 @@ class Tokenizer:
         `encode_batch`, which releases the GIL while it runs (`encode` holds it): a long prompt
         tokenized in a worker thread leaves the router's event loop free."""
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        """The prompt ids of `messages` through the chat template (apply_chat_template), with every
+        special token spelled inside a message's text encoded as that text, not as the token. The
+        text on either side of such a spelling is encoded apart from it, as text is on either side of
+        a special token. Raises ChatTemplateError as apply_chat_template does."""
+        if self._spelled_special is None:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs),
+                               add_special_tokens=False)
+        taken = {ord(c) for m in messages for value in m.values() if isinstance(value, str)
+                 for c in PLACEHOLDERS.findall(value)}
+        free = (code for code in range(FIRST_PLACEHOLDER, LAST_PLACEHOLDER + 1) if code not in taken)
+        placeholder_of: dict[str, str] = {}  # a special token's text -> the character that stands for it
+
+        def mark(match: re.Match[str]) -> str:
+            if match.group(0) not in placeholder_of:
+                code = next(free, None)
+                if code is None:
+                    raise ChatTemplateError("the messages hold every character of Unicode's Supplementary Private "
+                                            "Use Area-A, and spell a special token: one such character must be free")
+                placeholder_of[match.group(0)] = chr(code)
+            return placeholder_of[match.group(0)]
+
+        marked = [{key: self._spelled_special.sub(mark, value) if key != "role" and isinstance(value, str) else value
+                   for key, value in message.items()} for message in messages]
+        text = self.apply_chat_template(marked, add_generation_prompt, **template_kwargs)
+        if not placeholder_of:
+            return self.encode(text, add_special_tokens=False)
+        spelling = {placeholder: special for special, placeholder in placeholder_of.items()}
+        # parts: text, a placeholder, text, ... (re.split keeps the captured placeholders)
+        parts = re.split(f"([{''.join(spelling)}])", text)
+        texts = self._backend.encode_batch(parts[0::2], add_special_tokens=False)
+        spelled = self._as_text.encode_batch([spelling[p] for p in parts[1::2]], add_special_tokens=False)
+        ids = list(texts[0].ids)
+        for special, after in zip(spelled, texts[1:], strict=True):
+            ids += special.ids + after.ids
+        return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
