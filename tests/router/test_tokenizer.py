@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +17,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from megaserve.replicas.models.demo import EOT_TOKEN, ensure_demo_model
-from megaserve.router.tokenizer import PROMPT_CONTEXT_TOKENS, ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from megaserve.router.tokenizer import (
+    PROMPT_CONTEXT_TOKENS,
+    ChatTemplateError,
+    IncrementalDetokenizer,
+    Tokenizer,
+    spelling_pattern,
+)
 from tests.model_factory import sentencepiece_style_tokenizer
 
 LONG_PROMPT_REPEATS = 40_000  # ~2 MB of text: about a second of tokenizing
@@ -134,6 +142,29 @@ def test_a_spelling_next_to_private_use_characters_keeps_both(ours):
     assert ours.decode(ids, skip_special_tokens=False) == ours.apply_chat_template(messages)
     assert sorted(i for i in ids if i in ours.special_ids) == sorted(
         i for i in ours.encode_chat([{"role": "user", "content": "x"}]) if i in ours.special_ids)
+
+
+def test_messages_that_leave_no_placeholder_free_are_refused(ours):
+    every_private_use_character = "".join(map(chr, range(0xF0000, 0xFFFFE)))
+    with pytest.raises(ChatTemplateError, match="one such character must be free"):
+        ours.encode_chat([{"role": "user", "content": every_private_use_character + "<|eot_id|>"}])
+    # without a spelled special token nothing needs one
+    assert ours.encode_chat([{"role": "user", "content": every_private_use_character}])
+
+
+def test_the_spelling_pattern_finds_the_longest_word_at_the_leftmost_place():
+    words = {"<|end|>", "<|end_of_text|>", "<|eot_id|>", "<s>", "</s>", "<|reserved_special_token_1|>",
+             "<|reserved_special_token_10|>"}
+    pattern = re.compile(spelling_pattern(words))
+    text = "a<|end_of_text|>b<|end|><|end_of<s></s><|eot_id<|reserved_special_token_10|><|reserved_special_token_1|>"
+    assert pattern.findall(text) == ["<|end_of_text|>", "<|end|>", "<s>", "</s>", "<|reserved_special_token_10|>",
+                                     "<|reserved_special_token_1|>"]
+    alternation = re.compile("|".join(map(re.escape, sorted(words, key=len, reverse=True))))
+    pieces = [*words, "<", "|", ">", "x", "<|", "_", "end", "<|end", "<|eot_id", "<|reserved_special_token_"]
+    generator = random.Random(0)
+    for _ in range(500):
+        text = "".join(generator.choice(pieces) for _ in range(12))
+        assert [m.span() for m in pattern.finditer(text)] == [m.span() for m in alternation.finditer(text)], text
 
 
 def test_template_from_chat_template_file_matches_transformers(demo_dir, tmp_path):
