@@ -7,10 +7,12 @@
   environment with trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
   a `tojson` that keeps non-ASCII text, and bos_token/eos_token/... as variables.
 - `encode_chat` tokenizes a conversation through the template with the messages' text as text: a
-  special token spelled out inside a message ("<|eot_id|>" in a user's content) becomes the
-  characters it is made of, never the token, so that no message can end its turn or forge another
-  (as OpenAI's API reads message text; vLLM and SGLang encode the rendered prompt as one string,
-  where it would be the token). The template's own special tokens stay tokens.
+  token the tokenizer marks special, spelled out inside a message ("<|eot_id|>" in a user's
+  content), becomes the characters it is made of, never the token, so that a message cannot end
+  its turn or forge another with it (as OpenAI's API reads message text; vLLM and SGLang encode the
+  rendered prompt as one string, where it would be the token). The template's own special tokens
+  stay tokens. Plain-text turn markers, added tokens not marked special, and text that a template
+  joins or changes are read as in the rendered prompt.
 - `IncrementalDetokenizer` turns generated ids into text deltas. Byte-level BPE splits a multi-byte
   character (emoji, CJK) across tokens, so a delta is held back while the decoded text ends in an
   incomplete UTF-8 sequence (U+FFFD) and released once the character is whole.
@@ -65,16 +67,21 @@ class Tokenizer:
         special_tokens: dict[str, str],
         chat_template: str | None,
     ) -> None:
+        # A tokenizer.json may ask to pad or truncate (some fine-tunes ship it so): a prompt is neither.
+        backend.no_padding()
+        backend.no_truncation()
         self._backend = backend
         self.special_tokens = special_tokens  # e.g. {"bos_token": "<|begin_of_text|>", ...}
         # ids that decoding with skip_special_tokens leaves out
         self.special_ids = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
         self._template = _compile_chat_template(chat_template) if chat_template else None
         specials = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
-        self._spelled_special = re.compile(spelling_pattern(specials)) if specials else None
-        # The same tokenizer with its special tokens read as plain text: for their spellings only.
-        self._as_text = BackendTokenizer.from_str(backend.to_str())
-        self._as_text.encode_special_tokens = True
+        self._special_id = {text: backend.token_to_id(text) for text in specials}
+        # A special token's spelling; with a group, to split text at the template's own (encode_chat).
+        self._spelled_special = re.compile(f"({spelling_pattern(specials)})") if specials else None
+        # Private-use characters of the template itself, which encode_chat must not take for placeholders.
+        self._template_private_use = {ord(c) for c in PLACEHOLDERS.findall(chat_template or "")}
+        self._as_text, self._first_prefix = _reading_specials_as_text(backend) if specials else (None, None)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -114,14 +121,14 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> list[int]:
         """The prompt ids of `messages` through the chat template (apply_chat_template), with every
-        special token spelled inside a message's text encoded as that text, not as the token. The
-        text on either side of such a spelling is encoded apart from it, as text is on either side of
-        a special token. Raises ChatTemplateError as apply_chat_template does."""
+        special token spelled inside a message's text encoded as that text, not as the token: the
+        text between two of the template's own special tokens is encoded whole, as the tokenizer
+        encodes it, spellings included. Raises ChatTemplateError as apply_chat_template does."""
         if self._spelled_special is None:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs),
                                add_special_tokens=False)
-        taken = {ord(c) for m in messages for value in m.values() if isinstance(value, str)
-                 for c in PLACEHOLDERS.findall(value)}
+        taken = self._template_private_use | {ord(c) for m in messages for value in m.values()
+                                              if isinstance(value, str) for c in PLACEHOLDERS.findall(value)}
         free = (code for code in range(FIRST_PLACEHOLDER, LAST_PLACEHOLDER + 1) if code not in taken)
         placeholder_of: dict[str, str] = {}  # a special token's text -> the character that stands for it
 
@@ -139,14 +146,19 @@ class Tokenizer:
         text = self.apply_chat_template(marked, add_generation_prompt, **template_kwargs)
         if not placeholder_of:
             return self.encode(text, add_special_tokens=False)
-        spelling = {placeholder: special for special, placeholder in placeholder_of.items()}
-        # parts: text, a placeholder, text, ... (re.split keeps the captured placeholders)
-        parts = re.split(f"([{''.join(spelling)}])", text)
-        texts = self._backend.encode_batch(parts[0::2], add_special_tokens=False)
-        spelled = self._as_text.encode_batch([spelling[p] for p in parts[1::2]], add_special_tokens=False)
-        ids = list(texts[0].ids)
-        for special, after in zip(spelled, texts[1:], strict=True):
-            ids += special.ids + after.ids
+        # The only special tokens left in the text are the template's own: split at them (pieces: text,
+        # special, text, ...), put the spellings back, and encode each stretch of text whole with the
+        # specials read as text, as the tokenizer encodes text between special tokens.
+        pieces = self._spelled_special.split(text)
+        restore = str.maketrans({placeholder: special for special, placeholder in placeholder_of.items()})
+        stretches = [piece.translate(restore) for piece in pieces[0::2]]
+        if self._first_prefix and stretches[0] and not stretches[0].startswith((" ", self._first_prefix)):
+            stretches[0] = self._first_prefix + stretches[0]  # the prefix that only the first gets
+        encoded = self._as_text.encode_batch(stretches, add_special_tokens=False)
+        ids = list(encoded[0].ids)
+        for special, stretch in zip(pieces[1::2], encoded[1:], strict=True):
+            ids.append(self._special_id[special])
+            ids += stretch.ids
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -298,6 +310,31 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
+
+
+def _reading_specials_as_text(backend: BackendTokenizer) -> tuple[BackendTokenizer, str | None]:
+    """A copy of `backend` that reads its special tokens as plain text, for encode_chat's stretches of
+    text between the template's special tokens (about the size of tokenizer.json in memory: 57 MB for
+    a vocabulary of 128k); and, where its Metaspace pre-tokenizer prepends its replacement character
+    to the first piece of a text only (SentencePiece's "first"), that character. Every stretch is
+    encoded as a text of its own, so the copy prepends nothing, and encode_chat adds the character to
+    the one stretch that starts the prompt, as the original would."""
+    config = json.loads(backend.to_str())
+    first_prefix = None
+    stack = [config.get("pre_tokenizer")]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                node["prepend_scheme"], first_prefix = "never", node.get("replacement")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    as_text = BackendTokenizer.from_str(json.dumps(config))
+    as_text.encode_special_tokens = True
+    as_text.no_padding()
+    as_text.no_truncation()
+    return as_text, first_prefix
 
 
 def spelling_pattern(words: set[str]) -> str:

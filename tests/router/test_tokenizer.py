@@ -14,6 +14,8 @@ import sys
 from datetime import datetime
 
 import pytest
+from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer
 
 from megaserve.replicas.models.demo import EOT_TOKEN, ensure_demo_model
@@ -142,6 +144,41 @@ def test_a_spelling_next_to_private_use_characters_keeps_both(ours):
     assert ours.decode(ids, skip_special_tokens=False) == ours.apply_chat_template(messages)
     assert sorted(i for i in ids if i in ours.special_ids) == sorted(
         i for i in ours.encode_chat([{"role": "user", "content": "x"}]) if i in ours.special_ids)
+
+
+@pytest.mark.parametrize(("template", "tokens"), [
+    # after the template's <s>, SentencePiece's "first" prepends nothing
+    ("<s>[INST] {{ messages[0]['content'] }} [/INST]", ["<s>", "[INST]", "▁hi", "▁<s>", "▁there", "▁[/INST]"]),
+    # at the start of the prompt it does
+    ("[INST] {{ messages[0]['content'] }} [/INST]", ["▁[INST]", "▁hi", "▁<s>", "▁there", "▁[/INST]"]),
+])
+def test_a_spelling_is_read_with_the_text_around_it_by_a_sentencepiece_tokenizer(template, tokens):
+    """The text between the template's special tokens is encoded whole, as the tokenizer would with
+    no spelling in it: no "▁" of a word start at either side of the spelling, and the prompt's
+    first piece alone prefixed, as Metaspace's prepend_scheme "first" does."""
+    words = ["<unk>", "[INST]", "▁[INST]", "▁hi", "▁<s>", "▁there", "▁[/INST]"]
+    backend = BackendTokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.add_special_tokens([AddedToken("<s>", special=True)])
+    tokenizer = Tokenizer(backend, {"bos_token": "<s>"}, template)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "hi <s> there"}])
+    assert [backend.id_to_token(i) for i in ids] == tokens
+    plain = [{"role": "user", "content": "hi there"}]  # no spelling: the prompt read whole, as before
+    assert tokenizer.encode_chat(plain) == tokenizer.encode(tokenizer.apply_chat_template(plain),
+                                                           add_special_tokens=False)
+
+
+def test_padding_asked_for_by_tokenizer_json_pads_no_prompt(demo_dir, tmp_path):
+    folder = tmp_path / "padded"
+    shutil.copytree(demo_dir, folder)
+    config = json.loads((folder / "tokenizer.json").read_text())
+    config["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                         "pad_type_id": 0, "pad_token": "<|end_of_text|>"}
+    (folder / "tokenizer.json").write_text(json.dumps(config))
+    padded, plain = Tokenizer.from_dir(folder), Tokenizer.from_dir(demo_dir)
+    messages = [{"role": "user", "content": "hi <|eot_id|>"}]
+    assert padded.encode("hi") == plain.encode("hi") and len(plain.encode("hi")) < 64
+    assert padded.encode_chat(messages) == plain.encode_chat(messages)
 
 
 def test_messages_that_leave_no_placeholder_free_are_refused(ours):
