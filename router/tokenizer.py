@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 from datetime import datetime
 from pathlib import Path
@@ -33,6 +34,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
 from megaserve.replicas.protocol import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
+log = logging.getLogger(__name__)
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Special tokens that transformers hands to chat templates as variables (its special_tokens_map;
@@ -76,6 +79,12 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
         self._template = _compile_chat_template(chat_template) if chat_template else None
         specials = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
+        normalized = sorted(token.content for token in backend.get_added_tokens_decoder().values()
+                            if token.special and token.normalized)
+        if normalized and backend.normalizer is not None:
+            log.warning("special tokens %s are matched after the tokenizer's normalizer: message text that it "
+                        "turns into one (full-width or upper-case spellings) is read as the token, not as text",
+                        ", ".join(normalized))
         self._special_id = {text: backend.token_to_id(text) for text in specials}
         # A special token's spelling; with a group, to split text at the template's own (encode_chat).
         self._spelled_special = re.compile(f"({spelling_pattern(specials)})") if specials else None

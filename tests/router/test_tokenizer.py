@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import re
 import shutil
@@ -14,7 +15,7 @@ import sys
 from datetime import datetime
 
 import pytest
-from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import AddedToken, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer
 
@@ -166,6 +167,22 @@ def test_a_spelling_is_read_with_the_text_around_it_by_a_sentencepiece_tokenizer
     plain = [{"role": "user", "content": "hi there"}]  # no spelling: the prompt read whole, as before
     assert tokenizer.encode_chat(plain) == tokenizer.encode(tokenizer.apply_chat_template(plain),
                                                            add_special_tokens=False)
+
+
+def test_special_tokens_matched_after_a_normalizer_are_named_at_load(caplog):
+    backend = BackendTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    backend.normalizer = normalizers.NFKC()
+    backend.add_special_tokens([AddedToken("<|end|>", special=True, normalized=True),
+                                AddedToken("<|raw|>", special=True, normalized=False)])
+    with caplog.at_level(logging.WARNING, logger="megaserve.router.tokenizer"):
+        Tokenizer(backend, {}, None)
+    [record] = caplog.records
+    assert "<|end|>" in record.getMessage() and "<|raw|>" not in record.getMessage()
+    caplog.clear()
+    backend.normalizer = None  # matched on the message's own text: nothing to say
+    with caplog.at_level(logging.WARNING, logger="megaserve.router.tokenizer"):
+        Tokenizer(backend, {}, None)
+    assert not caplog.records
 
 
 def test_padding_asked_for_by_tokenizer_json_pads_no_prompt(demo_dir, tmp_path):
