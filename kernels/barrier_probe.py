@@ -59,7 +59,7 @@ RING_BYTES = 64 * 1024
 RING_SLOTS = 4
 PHASE_BIT = 1 << 31  # the counter's top bit flips once per barrier; its low bits return to zero
 PAYLOAD_VECS = 4  # kPayloadVecs of barrier_probe.cu: the vectors a CTA hands each CTA of its group at an edge
-MAILBOXES = 2  # kMailboxes: each CTA's payload slots in global memory alternate by edge
+MAILBOXES = 2  # kMailboxes: a CTA's payload slots (in global memory, and its inbox) alternate by edge of a kind
 MAX_CLUSTER_CTAS = 16  # kMaxClusterCtas: the largest cluster Hopper and Blackwell launch (non-portable)
 PORTABLE_CLUSTER_CTAS = 8  # larger clusters need the kernel's non-portable attribute
 # Stretches of barrier_after_code, in steps of 8 instructions (128 bytes): 8 KB to 256 KB.
