@@ -85,12 +85,13 @@ class Tokenizer:
             log.warning("special tokens %s are matched after the tokenizer's normalizer: message text that it "
                         "turns into one (full-width or upper-case spellings) is read as the token, not as text",
                         ", ".join(normalized))
-        self._special_id = {text: backend.token_to_id(text) for text in specials}
-        # A special token's spelling; with a group, to split text at the template's own (encode_chat).
-        self._spelled_special = re.compile(f"({spelling_pattern(specials)})") if specials else None
+        self._spelled_special = re.compile(spelling_pattern(specials)) if specials else None
+        self._special_text = {i: token.content for i, token in backend.get_added_tokens_decoder().items()
+                              if token.special}
         # Private-use characters of the template itself, which encode_chat must not take for placeholders.
         self._template_private_use = {ord(c) for c in PLACEHOLDERS.findall(chat_template or "")}
-        self._as_text, self._first_prefix = _reading_specials_as_text(backend) if specials else (None, None)
+        # For a stretch of text at the start of a prompt, and for the others (_reading_specials_as_text).
+        self._as_text_first, self._as_text = _reading_specials_as_text(backend) if specials else (None, None)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -131,8 +132,11 @@ class Tokenizer:
                     **template_kwargs: Any) -> list[int]:
         """The prompt ids of `messages` through the chat template (apply_chat_template), with every
         special token spelled inside a message's text encoded as that text, not as the token: the
-        text between two of the template's own special tokens is encoded whole, as the tokenizer
-        encodes it, spellings included. Raises ChatTemplateError as apply_chat_template does."""
+        stretch of text between two of the template's own special tokens that holds a spelling is
+        encoded whole, as the tokenizer would encode it were the spelling no token, and the rest as
+        the tokenizer encodes the rendered prompt. Message values other than strings (content parts)
+        are not looked into: the router hands over text. Raises ChatTemplateError as
+        apply_chat_template does."""
         if self._spelled_special is None:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs),
                                add_special_tokens=False)
@@ -155,19 +159,35 @@ class Tokenizer:
         text = self.apply_chat_template(marked, add_generation_prompt, **template_kwargs)
         if not placeholder_of:
             return self.encode(text, add_special_tokens=False)
-        # The only special tokens left in the text are the template's own: split at them (pieces: text,
-        # special, text, ...), put the spellings back, and encode each stretch of text whole with the
-        # specials read as text, as the tokenizer encodes text between special tokens.
-        pieces = self._spelled_special.split(text)
+        # The rendered prompt as the tokenizer reads it: the only special tokens it finds are the
+        # template's own (a spelling is a placeholder), each with the whitespace it absorbs (lstrip,
+        # rstrip). The stretches of text between them that hold a placeholder are encoded again with
+        # the spellings put back, read as text; the others keep their ids.
+        whole = self._backend.encode_batch([text], add_special_tokens=False)[0]
         restore = str.maketrans({placeholder: special for special, placeholder in placeholder_of.items()})
-        stretches = [piece.translate(restore) for piece in pieces[0::2]]
-        if self._first_prefix and stretches[0] and not stretches[0].startswith((" ", self._first_prefix)):
-            stretches[0] = self._first_prefix + stretches[0]  # the prefix that only the first gets
-        encoded = self._as_text.encode_batch(stretches, add_special_tokens=False)
-        ids = list(encoded[0].ids)
-        for special, stretch in zip(pieces[1::2], encoded[1:], strict=True):
-            ids.append(self._special_id[special])
-            ids += stretch.ids
+        held = re.compile(f"[{''.join(placeholder_of.values())}]")
+        # (A special id whose text is not the token's, such as <unk> for a character the model lacks,
+        # a placeholder among them, is no template token.)
+        cuts = [k for k, (token, (start, end)) in enumerate(zip(whole.ids, whole.offsets, strict=True))
+                if self._special_text.get(token) == text[start:end].strip()]
+        stretches = []  # (first token, end token, first character, end character) between two cuts
+        token, character = 0, 0
+        for cut in [*cuts, len(whole.ids)]:
+            stretches.append((token, cut, character, whole.offsets[cut][0] if cut < len(whole.ids) else len(text)))
+            if cut < len(whole.ids):
+                token, character = cut + 1, whole.offsets[cut][1]
+        again = [s for s in stretches if held.search(text, s[2], s[3])]
+        firsts = [s for s in again if s[2] == 0]
+        encoded = dict(zip(firsts, self._as_text_first.encode_batch(
+            [text[s[2]:s[3]].translate(restore) for s in firsts], add_special_tokens=False)))
+        later = [s for s in again if s[2] > 0]
+        encoded |= dict(zip(later, self._as_text.encode_batch(
+            [text[s[2]:s[3]].translate(restore) for s in later], add_special_tokens=False)))
+        ids: list[int] = []
+        for stretch in stretches:
+            ids += encoded[stretch].ids if stretch in encoded else whole.ids[stretch[0]:stretch[1]]
+            if stretch[1] < len(whole.ids):
+                ids.append(whole.ids[stretch[1]])  # the template's special token that ends it
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -321,29 +341,33 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def _reading_specials_as_text(backend: BackendTokenizer) -> tuple[BackendTokenizer, str | None]:
-    """A copy of `backend` that reads its special tokens as plain text, for encode_chat's stretches of
-    text between the template's special tokens (about the size of tokenizer.json in memory: 57 MB for
-    a vocabulary of 128k); and, where its Metaspace pre-tokenizer prepends its replacement character
-    to the first piece of a text only (SentencePiece's "first"), that character. Every stretch is
-    encoded as a text of its own, so the copy prepends nothing, and encode_chat adds the character to
-    the one stretch that starts the prompt, as the original would."""
+def _reading_specials_as_text(backend: BackendTokenizer) -> tuple[BackendTokenizer, BackendTokenizer]:
+    """Copies of `backend` that read its special tokens as plain text, for encode_chat's stretches of
+    text that hold a spelling (each about the size of tokenizer.json in memory: 57 MB for a vocabulary
+    of 128k): one for the stretch that starts the prompt, and one for the others. They differ only
+    where a Metaspace pre-tokenizer prepends its replacement character to the start of a text alone
+    (SentencePiece's "first"): the tokenizer does not prepend it to text after a special token, but a
+    stretch encoded alone starts a text. Where there is no such pre-tokenizer, one copy serves both."""
     config = json.loads(backend.to_str())
-    first_prefix = None
-    stack = [config.get("pre_tokenizer")]
+    stack, first = [config.get("pre_tokenizer")], False
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
-                node["prepend_scheme"], first_prefix = "never", node.get("replacement")
+                node["prepend_scheme"], first = "never", True
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
-    as_text = BackendTokenizer.from_str(json.dumps(config))
-    as_text.encode_special_tokens = True
-    as_text.no_padding()
-    as_text.no_truncation()
-    return as_text, first_prefix
+    starting = _reading_special_tokens_as_text(backend.to_str())
+    return starting, _reading_special_tokens_as_text(json.dumps(config)) if first else starting
+
+
+def _reading_special_tokens_as_text(tokenizer_json: str) -> BackendTokenizer:
+    tokenizer = BackendTokenizer.from_str(tokenizer_json)
+    tokenizer.encode_special_tokens = True
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
 
 
 def spelling_pattern(words: set[str]) -> str:

@@ -15,7 +15,7 @@ import sys
 from datetime import datetime
 
 import pytest
-from tokenizers import AddedToken, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer
 
@@ -183,6 +183,55 @@ def test_special_tokens_matched_after_a_normalizer_are_named_at_load(caplog):
     with caplog.at_level(logging.WARNING, logger="megaserve.router.tokenizer"):
         Tokenizer(backend, {}, None)
     assert not caplog.records
+
+
+# Tokenizer configurations a spelling must be read under as the tokenizer reads text: SentencePiece's
+# Metaspace (each prepend scheme, split or not), Llama 2's legacy normalizer, byte-level BPE.
+SPELLING_CONFIGS = {
+    **{f"metaspace-{scheme}-{split}": (None, pre_tokenizers.Metaspace(prepend_scheme=scheme, split=split))
+       for scheme in ("always", "first", "never") for split in (True, False)},
+    "legacy": (normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]), None),
+    "byte-level": (None, pre_tokenizers.ByteLevel(add_prefix_space=False)),
+}
+SPELLING_TEMPLATES = [
+    "{{ bos_token }}{% for m in messages %}<|start|>{{ m.role }}<|end|>\n{{ m.content }}<|eot|>{% endfor %}",
+    "{% for m in messages %}{{ m.content }}<|eot|>{% endfor %}",  # message text starts the prompt
+    "{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}",  # no special token at all
+    "{% for m in messages %}<|user|>\n{{ m.content }}<|close|>\n{% endfor %}<|assistant|>\n",  # Phi-3's rstrip
+]
+SPELLING_PIECES = [" ", "\n", "hi", "there", "1", "  ", "x", ".", "▁", "▁hi", "\t", "<|eot_id|>", "<|eot_id|>"]
+
+
+@pytest.mark.parametrize("config", SPELLING_CONFIGS)
+def test_a_spelled_special_token_is_encoded_as_a_tokenizer_without_that_token_reads_it(config):
+    """The oracle: the same tokenizer without <|eot_id|> among its special tokens reads its spelling as
+    text; encode_chat must give the oracle's ids for the whole rendered prompt, whatever the messages."""
+    normalizer, pre_tokenizer = SPELLING_CONFIGS[config]
+    base = BackendTokenizer(models.BPE(unk_token="<unk>"))
+    if normalizer is not None:
+        base.normalizer = normalizer
+    if pre_tokenizer is not None:
+        base.pre_tokenizer = pre_tokenizer
+    corpus = ["hi there <s> </s> [INST] [/INST] <|eot_id|> hello 123 x . \n\n\t"] * 3
+    base.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>"], show_progress=False,
+        initial_alphabet=sorted(set("".join(corpus)) | {"▁", " "})))
+    template_specials = [AddedToken(t, special=True, normalized=False) for t in ("<s>", "<|start|>", "<|end|>", "<|eot|>")]
+    template_specials += [AddedToken(t, special=True, normalized=False, rstrip=True)
+                          for t in ("<|user|>", "<|close|>", "<|assistant|>")]
+    oracle = BackendTokenizer.from_str(base.to_str())
+    oracle.add_special_tokens(template_specials)
+    full = BackendTokenizer.from_str(oracle.to_str())
+    full.add_special_tokens([AddedToken("<|eot_id|>", special=True, normalized=False)])
+    generator = random.Random(config)
+    for template in SPELLING_TEMPLATES:
+        tokenizer = Tokenizer(full, {"bos_token": "<s>"}, template)
+        for _ in range(100):
+            messages = [{"role": "user", "content": "".join(generator.choice(SPELLING_PIECES)
+                                                            for _ in range(generator.randint(0, 6)))}
+                        for _ in range(generator.randint(1, 3))]
+            expected = oracle.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False).ids
+            assert tokenizer.encode_chat(messages) == expected, (template, messages)
 
 
 def test_padding_asked_for_by_tokenizer_json_pads_no_prompt(demo_dir, tmp_path):
