@@ -75,10 +75,12 @@ class Tokenizer:
         backend.no_truncation()
         self._backend = backend
         self.special_tokens = special_tokens  # e.g. {"bos_token": "<|begin_of_text|>", ...}
+        self._special_text = {i: token.content for i, token in backend.get_added_tokens_decoder().items()
+                              if token.special}
         # ids that decoding with skip_special_tokens leaves out
-        self.special_ids = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+        self.special_ids = frozenset(self._special_text)
         self._template = _compile_chat_template(chat_template) if chat_template else None
-        specials = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
+        specials = set(self._special_text.values())
         normalized = sorted(token.content for token in backend.get_added_tokens_decoder().values()
                             if token.special and token.normalized)
         if normalized and backend.normalizer is not None:
@@ -86,8 +88,6 @@ class Tokenizer:
                         "turns into one (full-width or upper-case spellings) is read as the token, not as text",
                         ", ".join(normalized))
         self._spelled_special = re.compile(spelling_pattern(specials)) if specials else None
-        self._special_text = {i: token.content for i, token in backend.get_added_tokens_decoder().items()
-                              if token.special}
         # Private-use characters of the template itself, which encode_chat must not take for placeholders.
         self._template_private_use = {ord(c) for c in PLACEHOLDERS.findall(chat_template or "")}
         # For a stretch of text at the start of a prompt, and for the others (_reading_specials_as_text).
@@ -140,6 +140,15 @@ class Tokenizer:
         if self._spelled_special is None:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs),
                                add_special_tokens=False)
+        marked, placeholder_of = self._mark_spellings(messages)
+        text = self.apply_chat_template(marked, add_generation_prompt, **template_kwargs)
+        if not placeholder_of:
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_marked(text, placeholder_of)
+
+    def _mark_spellings(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """`messages` with each special token spelled in a string value (not the role) replaced by a
+        placeholder, and the placeholder of each spelling."""
         taken = self._template_private_use | {ord(c) for m in messages for value in m.values()
                                               if isinstance(value, str) for c in PLACEHOLDERS.findall(value)}
         free = (code for code in range(FIRST_PLACEHOLDER, LAST_PLACEHOLDER + 1) if code not in taken)
@@ -156,9 +165,11 @@ class Tokenizer:
 
         marked = [{key: self._spelled_special.sub(mark, value) if key != "role" and isinstance(value, str) else value
                    for key, value in message.items()} for message in messages]
-        text = self.apply_chat_template(marked, add_generation_prompt, **template_kwargs)
-        if not placeholder_of:
-            return self.encode(text, add_special_tokens=False)
+        return marked, placeholder_of
+
+    def _encode_marked(self, text: str, placeholder_of: dict[str, str]) -> list[int]:
+        """The ids of the rendered prompt `text`, whose placeholders stand for the spellings in
+        `placeholder_of`."""
         # The rendered prompt as the tokenizer reads it: the only special tokens it finds are the
         # template's own (a spelling is a placeholder), each with the whitespace it absorbs (lstrip,
         # rstrip). The stretches of text between them that hold a placeholder are encoded again with
