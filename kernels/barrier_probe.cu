@@ -146,9 +146,6 @@ __device__ __forceinline__ void store_to_cluster_cta(const void* local, unsigned
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 // Payload vector v of CTA `from` at its mailed-th group or cluster edge; w carries a word of what
@@ -178,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = threadIdx.x; i < kMailboxes * kMaxClusterCtas * kPayloadVecs; i += kThreads)
     (&inbox[0][0][0])[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
-  cluster_arrive_relaxed();
+  cluster_arrive();  // release: the zeros come before any peer's payload
   cluster_wait();
   const bool loads_ahead = static_cast<int>(threadIdx.x) / kWarpSize < ahead_warps;
   const int group = blockIdx.x / group_ctas, group_first = group * group_ctas;

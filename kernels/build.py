@@ -262,8 +262,8 @@ class KernelCache:
         return self._kernel(BARRIER_PROBE_SOURCE, CODE_PROBE_TEMPLATE.format(steps=steps), arch)
 
     def stream_probe(self, arch: str) -> CompiledKernel:
-        """The cubin of stream_stages (the step's bytes streamed in stages, with grid barriers
-        between them) on `arch`."""
+        """The cubin of stream_stages (the step's bytes streamed in stages, with grid barriers, group
+        counts or cluster barriers between them) on `arch`."""
         return self._kernel(BARRIER_PROBE_SOURCE, STREAM_PROBE_NAME, arch)
 
     def stream_ring_probe(self, arch: str, slots: int) -> CompiledKernel:

@@ -206,12 +206,14 @@ INNER_EDGE_CLUSTER_CTAS = (8, 16)
 @dataclass(frozen=True)
 class InnerEdgeProbe:
     """The streaming probe with 2 grid barriers per layer and the layer's inner edges as `edge`, on a
-    grid of `ctas` CTAs (in clusters of `cluster_ctas`): its ms per step."""
+    grid of `ctas` CTAs (in clusters of `cluster_ctas`): its ms per step, or why it could not run (a
+    GPU that cannot hold, or launch, clusters of that size)."""
 
     edge: str
     cluster_ctas: int
     ctas: int
     ms: float
+    error: str | None = None
 
 
 def inner_edges(config: ModelConfig, context_len: int, kernel_cache: KernelCache,
@@ -226,11 +228,14 @@ def inner_edges(config: ModelConfig, context_len: int, kernel_cache: KernelCache
     probes = [InnerEdgeProbe("counts", 1, whole, 1e3 * time_streaming_step(
         kernel_cache, device, counted, group_ctas=max(1, whole // config.num_kv_heads)))]
     for size in INNER_EDGE_CLUSTER_CTAS:
-        ctas = cluster_grid(kernel_cache, device, size)
-        for name, edge in (("counts", StreamEdge.GROUP), ("cluster barriers", StreamEdge.CLUSTER)):
-            stages = streaming_stages(config, context_len, 2, edge)
-            ms = 1e3 * time_streaming_step(kernel_cache, device, stages, group_ctas=size, cluster_ctas=size)
-            probes.append(InnerEdgeProbe(name, size, ctas, ms))
+        try:
+            ctas = cluster_grid(kernel_cache, device, size)
+            for name, edge in (("counts", StreamEdge.GROUP), ("cluster barriers", StreamEdge.CLUSTER)):
+                stages = streaming_stages(config, context_len, 2, edge)
+                ms = 1e3 * time_streaming_step(kernel_cache, device, stages, group_ctas=size, cluster_ctas=size)
+                probes.append(InnerEdgeProbe(name, size, ctas, ms))
+        except Exception as error:  # noqa: BLE001 - reported in the table, the bench goes on
+            probes.append(InnerEdgeProbe("clusters", size, 0, float("nan"), f"{type(error).__name__}: {error}"))
     return probes
 
 
@@ -503,6 +508,7 @@ def _stage_table(r: Result, bandwidth: float) -> list[str]:
                      "slots, past the barriers: " + per_barrier_count(r.ring_stream_ms))
     if r.inner_edge_ms:
         lines.append("the same with 2 barriers per layer and the inner edges (QKV -> attention -> O) as: " + ", ".join(
+            f"clusters of {p.cluster_ctas} failed: {p.error.splitlines()[0][:60]}" if p.error else
             f"{p.edge} {'over the KV heads' if p.cluster_ctas == 1 else f'in clusters of {p.cluster_ctas}'} on "
             f"{p.ctas} CTAs {p.ms:.3f} ms ({100 * step_bytes / (p.ms * 1e-3) / bandwidth:.1f}%)"
             for p in r.inner_edge_ms))

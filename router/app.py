@@ -250,15 +250,19 @@ class _Router:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+
         timeout_seconds = self.settings.body_timeout_seconds
         try:
-            async with asyncio.timeout(timeout_seconds):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise too_large
-                    chunks.append(chunk)
-        except TimeoutError:
+            await asyncio.wait_for(read(), timeout_seconds)  # not asyncio.timeout: Python 3.10 has none
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             raise APIError(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {timeout_seconds:g} s (it had "
                            f"{size} bytes); send it faster", code="body_timeout", reason="timeout",
                            headers={"Connection": "close"}) from None

@@ -175,18 +175,20 @@ class Tokenizer:
         # rstrip). The stretches of text between them that hold a placeholder are encoded again with
         # the spellings put back, read as text; the others keep their ids.
         whole = self._backend.encode_batch([text], add_special_tokens=False)[0]
+        # Read once: an Encoding builds a new list of all its ids (or offsets) at every access.
+        whole_ids, offsets, count = whole.ids, whole.offsets, len(whole.ids)
         restore = str.maketrans({placeholder: special for special, placeholder in placeholder_of.items()})
         held = re.compile(f"[{''.join(placeholder_of.values())}]")
         # (A special id whose text is not the token's, such as <unk> for a character the model lacks,
         # a placeholder among them, is no template token.)
-        cuts = [k for k, (token, (start, end)) in enumerate(zip(whole.ids, whole.offsets, strict=True))
-                if self._special_text.get(token) == text[start:end].strip()]
+        cuts = [k for k, (token, (start, end)) in enumerate(zip(whole_ids, offsets, strict=True))
+                if token in self._special_text and self._special_text[token].strip() == text[start:end].strip()]
         stretches = []  # (first token, end token, first character, end character) between two cuts
         token, character = 0, 0
-        for cut in [*cuts, len(whole.ids)]:
-            stretches.append((token, cut, character, whole.offsets[cut][0] if cut < len(whole.ids) else len(text)))
-            if cut < len(whole.ids):
-                token, character = cut + 1, whole.offsets[cut][1]
+        for cut in [*cuts, count]:
+            stretches.append((token, cut, character, offsets[cut][0] if cut < count else len(text)))
+            if cut < count:
+                token, character = cut + 1, offsets[cut][1]
         again = [s for s in stretches if held.search(text, s[2], s[3])]
         firsts = [s for s in again if s[2] == 0]
         encoded = dict(zip(firsts, self._as_text_first.encode_batch(
@@ -196,9 +198,9 @@ class Tokenizer:
             [text[s[2]:s[3]].translate(restore) for s in later], add_special_tokens=False)))
         ids: list[int] = []
         for stretch in stretches:
-            ids += encoded[stretch].ids if stretch in encoded else whole.ids[stretch[0]:stretch[1]]
-            if stretch[1] < len(whole.ids):
-                ids.append(whole.ids[stretch[1]])  # the template's special token that ends it
+            ids += encoded[stretch].ids if stretch in encoded else whole_ids[stretch[0]:stretch[1]]
+            if stretch[1] < count:
+                ids.append(whole_ids[stretch[1]])  # the template's special token that ends it
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

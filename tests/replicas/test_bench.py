@@ -118,6 +118,26 @@ def test_the_stage_table_gives_the_streaming_probe_s_share_of_the_roofline():
     assert "inner edges" not in without_probes
 
 
+def test_a_cluster_size_the_gpu_cannot_run_is_reported_and_the_others_are_timed(monkeypatch):
+    def cluster_grid(kernel_cache, device, cluster_ctas):
+        if cluster_ctas == 16:
+            raise RuntimeError("this GPU cannot hold a cluster of 16 CTAs of the probe")
+        return 132 if cluster_ctas == 1 else 120
+
+    monkeypatch.setattr(bench, "cluster_grid", cluster_grid)
+    monkeypatch.setattr(bench, "time_streaming_step", lambda *args, **kwargs: 1e-3)
+    config = ModelConfig.from_hf_dict(BENCH_CONFIGS["Llama-3.2-1B"])
+    probes = bench.inner_edges(config, 1025, None, torch.device("cpu"))
+    assert [(p.edge, p.cluster_ctas, p.ctas, p.error) for p in probes] == [
+        ("counts", 1, 132, None), ("counts", 8, 120, None), ("cluster barriers", 8, 120, None),
+        ("clusters", 16, 0, "RuntimeError: this GPU cannot hold a cluster of 16 CTAs of the probe")]
+    result = Result("Llama-3.2-1B", 1024, "megakernel", 2.0, 500.0, 1, 0.75, stage_ms={"qkv": 2.0},
+                    stage_bytes={"qkv": 4_000_000_000}, timing_cost_ms=0.0, inner_edge_ms=probes)
+    table = format_table([result], 4e12, barrier_seconds=None)
+    assert ("cluster barriers in clusters of 8 on 120 CTAs 1.000 ms (100.0%), clusters of 16 failed: "
+            "RuntimeError: this GPU cannot hold a cluster of 16 CTAs") in table
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--methods", "eager", "--rounds", "3"], "--rounds times the megakernel's builds in turn: add it to --methods"),
     (["--models", "Qwen3-8B", "Qwen3-8B"], "--models names Qwen3-8B more than once"),

@@ -131,13 +131,6 @@ def test_a_special_token_spelled_in_a_message_is_text_and_the_template_s_own_are
     assert ids[:len(before) + len(spelled)] == before + spelled  # encoded as transformers splits it
 
 
-def test_a_conversation_without_spelled_special_tokens_encodes_as_its_rendered_text(ours):
-    # including a private-use character such as encode_chat marks a spelling with: it stays text
-    for messages in (CONVERSATION, [{"role": "user", "content": "\U000F0000 and \U000FFFFD", "name": "ann"}]):
-        rendered = ours.apply_chat_template(messages)
-        assert ours.encode_chat(messages) == ours.encode(rendered, add_special_tokens=False)
-
-
 def test_a_spelling_next_to_private_use_characters_keeps_both(ours):
     # the placeholder for the spelling must not be a character the message already holds
     messages = [{"role": "user", "content": "\U000F0000<|eot_id|>\U000F0001"}]
