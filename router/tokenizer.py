@@ -26,7 +26,7 @@ import logging
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
@@ -75,14 +75,13 @@ class Tokenizer:
         backend.no_truncation()
         self._backend = backend
         self.special_tokens = special_tokens  # e.g. {"bos_token": "<|begin_of_text|>", ...}
-        self._special_text = {i: token.content for i, token in backend.get_added_tokens_decoder().items()
-                              if token.special}
+        special_added = {i: token for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        self._special_text = {i: token.content for i, token in special_added.items()}
         # ids that decoding with skip_special_tokens leaves out
         self.special_ids = frozenset(self._special_text)
         self._template = _compile_chat_template(chat_template) if chat_template else None
         specials = set(self._special_text.values())
-        normalized = sorted(token.content for token in backend.get_added_tokens_decoder().values()
-                            if token.special and token.normalized)
+        normalized = sorted(token.content for token in special_added.values() if token.normalized)
         if normalized and backend.normalizer is not None:
             log.warning("special tokens %s are matched after the tokenizer's normalizer: message text that it "
                         "turns into one (full-width or upper-case spellings) is read as the token, not as text",
@@ -149,12 +148,15 @@ class Tokenizer:
     def _mark_spellings(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
         """`messages` with each special token spelled in a string value (not the role) replaced by a
         placeholder, and the placeholder of each spelling."""
-        taken = self._template_private_use | {ord(c) for m in messages for value in m.values()
-                                              if isinstance(value, str) for c in PLACEHOLDERS.findall(value)}
-        free = (code for code in range(FIRST_PLACEHOLDER, LAST_PLACEHOLDER + 1) if code not in taken)
         placeholder_of: dict[str, str] = {}  # a special token's text -> the character that stands for it
+        free: Iterator[int] | None = None  # the placeholders the messages leave free: sought at the first spelling
 
         def mark(match: re.Match[str]) -> str:
+            nonlocal free
+            if free is None:
+                taken = self._template_private_use | {ord(c) for m in messages for value in m.values()
+                                                      if isinstance(value, str) for c in PLACEHOLDERS.findall(value)}
+                free = (code for code in range(FIRST_PLACEHOLDER, LAST_PLACEHOLDER + 1) if code not in taken)
             if match.group(0) not in placeholder_of:
                 code = next(free, None)
                 if code is None:
@@ -361,7 +363,8 @@ def _reading_specials_as_text(backend: BackendTokenizer) -> tuple[BackendTokeniz
     where a Metaspace pre-tokenizer prepends its replacement character to the start of a text alone
     (SentencePiece's "first"): the tokenizer does not prepend it to text after a special token, but a
     stretch encoded alone starts a text. Where there is no such pre-tokenizer, one copy serves both."""
-    config = json.loads(backend.to_str())
+    tokenizer_json = backend.to_str()  # megabytes for a large vocabulary: serialized once
+    config = json.loads(tokenizer_json)
     stack, first = [config.get("pre_tokenizer")], False
     while stack:
         node = stack.pop()
@@ -371,7 +374,7 @@ def _reading_specials_as_text(backend: BackendTokenizer) -> tuple[BackendTokeniz
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
-    starting = _reading_special_tokens_as_text(backend.to_str())
+    starting = _reading_special_tokens_as_text(tokenizer_json)
     return starting, _reading_special_tokens_as_text(json.dumps(config)) if first else starting
 
 
