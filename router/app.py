@@ -32,10 +32,10 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
-from megaserve.replicas.protocol import SEED_MIN, EngineDeadError, EngineError, GenerateRequest, SamplingParams, Tier
+from megaserve.replicas.protocol import SEED_MIN, GenerateRequest, SamplingParams, Tier
 from megaserve.router.backend import Backend
-from megaserve.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, invalid, service_unavailable
-from megaserve.router.generation import Delta, Generation, GenerationFailed
+from megaserve.router.errors import GENERATION_ERRORS, INVALID_REQUEST, SERVER_ERROR, APIError, generation_error, invalid
+from megaserve.router.generation import Delta, Generation
 from megaserve.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -355,17 +355,9 @@ class _Router:
             return _json(answer.complete(deltas, n), headers)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except APIError as error:  # from the backend: no replica is running to take the call
-            raise _routed(error) from None
-        except EngineError as error:
-            raise _routed(invalid(str(error))) from None
-        except EngineDeadError as error:  # Serve is about to replace the replica: the request itself was fine
-            raise _routed(service_unavailable(
-                f"the {lease.tier.value} replica that took the request is down ({error}); retry later",
-                self.settings.retry_after_seconds, code="engine_dead")) from None
-        except GenerationFailed as error:
-            raise _routed(APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}",
-                                   type=SERVER_ERROR)) from None
+        except (APIError, *GENERATION_ERRORS) as error:
+            raise _routed(generation_error(error, lease.tier.value, request_id,
+                                           self.settings.retry_after_seconds)) from None
         finally:
             if lease is not None:
                 try:

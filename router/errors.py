@@ -6,12 +6,20 @@ The `type` strings are the ones OpenAI's clients know how to map to exception cl
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
+
+from megaserve.replicas.protocol import EngineDeadError, EngineError
+from megaserve.router.generation import GenerationFailed
 
 INVALID_REQUEST = "invalid_request_error"
 RATE_LIMIT = "rate_limit_error"  # what OpenAI answers with 429
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
+# What a generation that its replica ended can raise after the request was admitted
+GENERATION_ERRORS = (EngineError, EngineDeadError, GenerationFailed)
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -64,3 +72,25 @@ def service_unavailable(message: str, retry_after_seconds: int, *, code: str) ->
     took it has a dead engine), but a retry may find one, so clients and gateways retry."""
     return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type=UNAVAILABLE, code=code,
                     headers={"Retry-After": str(retry_after_seconds)}, reason="unavailable")
+
+
+def generation_error(error: Exception, tier: str, request_id: str, retry_after_seconds: int) -> APIError:
+    """The answer to an admitted request whose generation ended in `error`. A replica's failure text
+    (an exception's message: a CUDA error, a file path, a node's address) is for operators: it goes
+    to the router's log under the request id, which the client is told, and not to the client, as
+    OpenAI's API answers a server fault. A refusal written for clients keeps its text."""
+    if isinstance(error, APIError):  # the backend's own: e.g. no replica is running to take the call
+        return error
+    if isinstance(error, EngineError):  # the engine's validation of the request
+        return invalid(str(error))
+    if isinstance(error, EngineDeadError):  # shut down (a rolling update) or failed: a retry may find another
+        log.warning("%s: the %s replica stopped before the generation finished: %s", request_id, tier, error)
+        return service_unavailable(
+            f"the {tier} replica that took the request stopped before the generation finished; retry later "
+            f"(request id {request_id})", retry_after_seconds, code="engine_dead")
+    if isinstance(error, GenerationFailed):
+        log.error("%s: the generation failed on the %s replica: %s", request_id, tier, error)
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                        f"the generation failed on the {tier} replica; the server's log has the cause "
+                        f"under request id {request_id}", type=SERVER_ERROR)
+    raise TypeError(f"not a generation's error: {error!r}")

@@ -16,9 +16,9 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import NamedTuple
 
-from megaserve.replicas.protocol import EngineDeadError, EngineError, Tier
-from megaserve.router.errors import SERVER_ERROR, APIError
-from megaserve.router.generation import Delta, Generation, GenerationFailed
+from megaserve.replicas.protocol import Tier
+from megaserve.router.errors import GENERATION_ERRORS, SERVER_ERROR, APIError, generation_error
+from megaserve.router.generation import Delta, Generation
 from megaserve.router.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
@@ -109,13 +109,13 @@ class ResponseBuilder:
                 yield self._delta_chunk(first, chunk_usage)
                 async for delta in rest:
                     yield self._delta_chunk(delta, chunk_usage)
-            except (APIError, EngineError, EngineDeadError, GenerationFailed) as error:
-                message = error.message if isinstance(error, APIError) else f"generation failed: {error}"
-                yield _error_event(message)
+            except (APIError, *GENERATION_ERRORS) as error:  # the status is sent: its message as an event
+                yield _error_event(generation_error(error, self.generation.tier.value, self.common["id"],
+                                                    retry_after_seconds=0).message)
                 return
-            except Exception as error:  # noqa: BLE001 - the status is sent: an error event, not a cut connection
+            except Exception:  # noqa: BLE001 - the status is sent: an error event, not a cut connection
                 log.exception("stream %s failed", self.common["id"])
-                yield _error_event(f"internal error: {type(error).__name__}")
+                yield _error_event(f"internal error (request id {self.common['id']})")
                 return
         if include_usage:
             yield self._chunk([], chunk_usage, usage=self.usage(), timing=self.timing())

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
+import re
 import shutil
 import threading
 import time
@@ -408,7 +410,31 @@ def test_a_dead_engine_is_a_503_to_retry_not_a_400(serve_router, stream):
     assert response.status_code == 503 and response.headers["retry-after"] == "3"
     error = response.json()["error"]
     assert error["type"] == UNAVAILABLE and error["code"] == "engine_dead"
-    assert "engine step failed: RuntimeError: CUDA error" in error["message"]
+    assert "stopped before the generation finished" in error["message"] and "CUDA" not in error["message"]
+
+
+class FailedGenerationBackend:
+    """A replica that reports its generation failed, with the failure's own text."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        yield StepOutput([], [], FinishReason.ABORT, error="CUDA error: an illegal memory access at /opt/ray/model.py")
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+def test_a_failed_generation_is_a_500_that_names_its_request_id_and_only_the_log_has_its_cause(
+        serve_router, caplog):
+    url = serve_router({Tier.LATENCY: FailedGenerationBackend()})
+    body = {"model": MODEL, "messages": HELLO, "service_tier": "priority"}
+    with caplog.at_level(logging.WARNING, logger="megaserve.router"):
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "CUDA" not in error["message"]
+    [request_id] = re.findall(r"request id (chatcmpl-[0-9a-f]{32})", error["message"])
+    [logged] = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    assert "CUDA error: an illegal memory access at /opt/ray/model.py" in logged
 
 
 class NoReplicaTakesItBackend:
@@ -467,7 +493,7 @@ def test_a_request_its_replica_was_shut_down_under_is_a_503_to_retry_not_a_succe
     response = httpx.post(url + path, json=body | {"model": MODEL, "service_tier": "priority"}, timeout=30)
     assert response.status_code == 503 and response.headers["retry-after"] == "3"
     error = response.json()["error"]
-    assert error["code"] == "engine_dead" and "shut down before the generation finished" in error["message"]
+    assert error["code"] == "engine_dead" and "stopped before the generation finished" in error["message"]
 
 
 def test_a_stream_its_replica_was_shut_down_under_ends_with_an_error_event_not_a_finish(serve_router):
@@ -477,7 +503,7 @@ def test_a_stream_its_replica_was_shut_down_under_ends_with_an_error_event_not_a
         assert response.status_code == 200
         payloads = sse_payloads(response)
     assert payloads[-1] == "[DONE]"
-    assert "shut down before the generation finished" in payloads[-2]["error"]["message"]
+    assert "stopped before the generation finished" in payloads[-2]["error"]["message"]
     assert all(choice["finish_reason"] is None for chunk in payloads[:-2] for choice in chunk["choices"])
 
 

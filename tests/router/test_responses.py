@@ -4,6 +4,7 @@ failure, over a real router and HTTP (the status is already sent: the connection
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator
 
 import httpx
@@ -14,6 +15,7 @@ from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateR
 from .conftest import MODEL
 
 STEP_SECONDS = 0.001
+CAUSE = "CUDA error: an illegal memory access"  # a replica's failure text: for the log, not the client
 
 
 class BackendFailingAfterOneToken:
@@ -26,30 +28,37 @@ class BackendFailingAfterOneToken:
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
         yield StepOutput([5], [STEP_SECONDS])
         if self.failure == "reported":
-            yield StepOutput([], [], FinishReason.ABORT, error="CUDA error: an illegal memory access")
+            yield StepOutput([], [], FinishReason.ABORT, error=CAUSE)
         if self.failure == "dead engine":  # the engine died after this choice began (another choice failed it)
-            raise EngineDeadError("engine step failed: RuntimeError: CUDA error: an illegal memory access")
+            raise EngineDeadError(f"engine step failed: RuntimeError: {CAUSE}")
         raise KeyError("an unexpected failure")
 
     async def healthy_replicas(self) -> int:
         return 1
 
 
-@pytest.mark.parametrize(("failure", "message"), [
-    ("reported", "generation failed: CUDA error: an illegal memory access"),
-    ("dead engine", "generation failed: engine step failed: RuntimeError: CUDA error: an illegal memory access"),
-    ("unexpected", "internal error: KeyError"),
+@pytest.mark.parametrize(("failure", "message", "logged"), [
+    ("reported", "the generation failed on the latency replica; the server's log has the cause under request id ",
+     CAUSE),
+    ("dead engine", "the latency replica that took the request stopped before the generation finished; retry later "
+     "(request id ", CAUSE),
+    ("unexpected", "internal error (request id ", "KeyError"),
 ])
-def test_a_failure_mid_stream_is_an_error_event_then_done(serve_router, failure, message):
+def test_a_failure_mid_stream_is_an_error_event_then_done_and_its_cause_is_logged_not_sent(
+        serve_router, caplog, failure, message, logged):
     url = serve_router({Tier.LATENCY: BackendFailingAfterOneToken(failure)})
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "service_tier": "priority"}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
-        assert response.status_code == 200
-        payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    with caplog.at_level(logging.WARNING, logger="megaserve.router"):
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            payloads = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
     assert payloads[-1] == "[DONE]"
+    request_id = json.loads(payloads[0])["id"]
     error = json.loads(payloads[-2])["error"]
-    assert error["message"] == message and error["type"] == "server_error"
+    assert error["type"] == "server_error" and error["message"].startswith(message)
+    assert request_id in error["message"] and logged not in error["message"]
+    assert any(request_id in record.getMessage() for record in caplog.records) and logged in caplog.text
 
 
 class BackendFailingAtOnce:
