@@ -498,6 +498,19 @@ def test_a_stopping_pod_s_exporter_serves_until_its_megaserve_processes_exit_and
     assert float(env[RAY_DRAIN_TIMEOUT_ENV]) + linger < spec["terminationGracePeriodSeconds"]
 
 
+def test_no_container_can_gain_privileges_and_the_exporter_holds_none_and_writes_only_its_folder():
+    containers = list(_containers(_documents()))
+    assert containers and all(c["securityContext"]["allowPrivilegeEscalation"] is False for c in containers)
+    _, config = _app_config()
+    for group in ("latency", "throughput"):
+        (exporter,) = [c for c in _pod_specs()[group]["containers"] if MEGASERVE_METRICS_PORT_NAME in _port_names(c)]
+        context = exporter["securityContext"]
+        assert context["capabilities"]["drop"] == ["ALL"] and context["readOnlyRootFilesystem"] is True
+        # it removes the metrics files of exited processes: its one writable mount is that folder
+        (writable,) = [m for m in exporter["volumeMounts"] if not m.get("readOnly")]
+        assert writable["mountPath"] == config.metrics.multiproc_dir
+
+
 def _seconds(duration: str) -> float:
     """A Prometheus Operator duration of one unit ("15s", "1m") in seconds."""
     match = re.fullmatch(r"(\d+)(s|m)", duration)
