@@ -50,9 +50,10 @@ struct RopeTable {
   }
 };
 
-// One head (a warp): load its raw projection from qkv, RMS-norm it (Qwen3), rotate it (Hugging Face
-// rotate_half: channel d pairs with d + head_dim/2, which sits in lane + 16), rounding to bf16 where
-// the reference does. Returns the lane's slice.
+// One head (a warp): load its raw projection from qkv, RMS-norm it (Qwen3) rounding to bf16 where
+// the reference does, rotate it (Hugging Face rotate_half: channel d pairs with d + head_dim/2, which
+// sits in lane + 16) in fp32 and round the result once; the reference rounds both products and their
+// sum, so the kernel's rotation is the closer to exact of the two. Returns the lane's slice.
 template <class S>
 __device__ __forceinline__ void prepare_head(const bf16* raw, const bf16* norm_weight, const RopeTable<S>& rope,
                                              float eps, int lane, float* x) {

@@ -363,7 +363,11 @@ def bench_context(
                     yield method, measured
                     continue
                 round_seconds, launches, stages, timing_cost_ms = measured
-                extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
+                # the stages are the timing build's last replay's: it writes position context +
+                # REPLAYS_PER_POSITION_RESET - 1, and its attention reads every position up to it
+                last_replay_positions = context + REPLAYS_PER_POSITION_RESET
+                extra = {"stage_ms": _ms(stages.seconds),
+                         "stage_bytes": stage_read_bytes(model.config, last_replay_positions),
                          "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
                          "stage_late_repeat": stages.late_repeat, "timing_cost_ms": timing_cost_ms,
                          "round_ms": [seconds * 1e3 for seconds in round_seconds]}

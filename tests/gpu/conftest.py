@@ -1,6 +1,6 @@
 """GPU fixtures: tiny random Hugging Face models in bf16 on CUDA, in the shapes the megakernel
 must cover (head_dim 64, 128 and 256, GQA ratios 3, 4, 5 and 8, tied and untied embeddings, Qwen3
-q/k norm, Llama 3.1 RoPE scaling, an odd vocabulary). Every test under tests/gpu is skipped on a
+q/k norm, Llama 3.1 RoPE scaling, an odd vocabulary, an 8B model's widths). Every test under tests/gpu is skipped on a
 machine without CUDA."""
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ SHAPES = {
         family="llama", hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
         head_dim=256, tie_word_embeddings=True, num_hidden_layers=2, vocab_size=1001,
         initializer_range=INIT_GAIN / 512**0.5,
+    ),
+    # Llama-3.1-8B's widths, 2 layers, Llama 2's vocabulary (32,000): on 132 SMs O and down take
+    # several chunks of rows per CTA and O's prefetch half the warps, gate/up and the LM head several
+    # rounds per warp: the paths the 8B checkpoints take, which the narrower shapes never reach
+    "llama-8b-width": dict(
+        family="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, tie_word_embeddings=False, num_hidden_layers=2, vocab_size=32000,
+        rope_scaling=LLAMA31_SCALING, initializer_range=INIT_GAIN / 4096**0.5,
     ),
 }
 
