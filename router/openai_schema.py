@@ -75,15 +75,21 @@ class _RefusesUnsupported(_Request):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, neutral in cls.unsupported_neutral.items():
-                if name in data and data[name] not in neutral:
+                if name in data and not _is_one_of(data[name], neutral):
                     raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server",
                                               {"name": name})
             for name, value in cls.implemented_only_as.items():
-                if data.get(name) not in (None, value):
+                if not _is_one_of(data.get(name), (None, value)):
                     raise PydanticCustomError(UNSUPPORTED_PARAMETER,
                                               "`{name}` is not supported by this server except as {value}",
                                               {"name": name, "value": json.dumps(value)})
         return data
+
+
+def _is_one_of(value: Any, allowed: tuple) -> bool:
+    """Whether `value` is one of `allowed` in type too, as strict validation reads it: in Python
+    `False == 0` and `1.0 == 1`, but `false` is no count and `1.0` no integer."""
+    return any(type(value) is type(choice) and value == choice for choice in allowed)
 
 
 class ChatMessage(_RefusesUnsupported):

@@ -70,6 +70,12 @@ BAD_REQUESTS = {
     "an assistant message's tool_calls": (CHAT, chat(messages=[*HI, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
         "messages.1.tool_calls"),
+    "a penalty as a boolean equal to its neutral 0": (CHAT, chat(frequency_penalty=False), 400, "frequency_penalty"),
+    "best_of as a boolean equal to its neutral 1": (COMPLETIONS, completion(best_of=True), 400, "best_of"),
+    "best_of as a float equal to its neutral 1": (COMPLETIONS, completion(best_of=1.0), 400, "best_of"),
+    "echo as a number equal to its neutral false": (COMPLETIONS, completion(echo=0), 400, "echo"),
+    "add_generation_prompt as a number equal to true": (CHAT, chat(add_generation_prompt=1), 400,
+                                                        "add_generation_prompt"),
     "vLLM's repetition_penalty": (CHAT, chat(repetition_penalty=1.3), 400, "repetition_penalty"),
     "vLLM's min_tokens": (COMPLETIONS, completion(min_tokens=5), 400, "min_tokens"),
     "vLLM's guided_choice": (CHAT, chat(guided_choice=["yes", "no"]), 400, "guided_choice"),
@@ -151,7 +157,8 @@ def test_neutral_values_of_refused_fields_are_served(router_url):
     for path, content in ((CHAT, chat(max_tokens=1, add_generation_prompt=True, continue_final_message=False,
                                       add_special_tokens=False, chat_template_kwargs={}, logits_processors=[],
                                       no_stop_trim=False, reasoning_effort=None, function_call="none",
-                                      documents=[], stop_regex=[], return_token_ids=False)),
+                                      documents=[], stop_regex=[], return_token_ids=False,
+                                      frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1)),
                           (COMPLETIONS, completion(max_tokens=1, add_special_tokens=True, regex=None))):
         response = httpx.post(router_url + path, content=content)
         assert response.status_code == 200, response.text
