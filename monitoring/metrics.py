@@ -35,7 +35,9 @@ STEP_BUCKETS = (
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
-REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# A whole generation, up to its tier's graceful_shutdown_seconds (sized to the longest one: 600 s in
+# deploy/gb300.yaml, for 16K tokens of a 70B model); past the last edge a quantile reads as that edge.
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 
 # --- engines (recorded inside replicas) -------------------------------------------------------
 STEP_DURATION = Histogram(

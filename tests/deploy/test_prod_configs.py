@@ -13,6 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from megaserve.deploy.builder import build_app, warn_if_gpus_wait_for_tensor_parallelism
 from megaserve.deploy.config import AppConfig
+from megaserve.monitoring.metrics import REQUEST_BUCKETS
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # GPUs one Ray node offers: a whole H200 server; one GB300 NVL72 compute tray (one k8s node).
@@ -103,3 +104,12 @@ def test_router_takes_no_gpu_and_a_cpu_that_keeps_it_off_a_head_without_cpus():
         router = _deployments(name)["RouterDeployment"]
         assert not router.ray_actor_options.num_gpus
         assert router.ray_actor_options.num_cpus == 1
+
+
+@pytest.mark.parametrize("name", HARDWARE)
+def test_the_request_duration_histogram_reaches_past_the_longest_generation_the_config_lets_finish(name):
+    # graceful_shutdown_seconds is sized to a tier's longest generation; one longer than the last
+    # bucket edge falls in +Inf, and every quantile of its tier then reads as that edge.
+    config = AppConfig.model_validate(_app_args(name))
+    longest = max(tier.graceful_shutdown_seconds for tier in (config.latency, config.throughput) if tier.enabled)
+    assert REQUEST_BUCKETS[-1] >= longest
