@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", default="Hello!", help="the user message (chat template "
                      "applied) or, with --raw, the literal prompt")
     where = gen.add_mutually_exclusive_group()
-    where.add_argument("--url", help=f"a running server (default {DEFAULT_URL} unless --model)")
+    where.add_argument("--url", help=f"a running server, its root or its OpenAI base URL (root/v1) (default "
+                       f"{DEFAULT_URL} unless --model)")
     where.add_argument("--model", help="a Hugging Face-format model directory to run in-process")
     gen.add_argument("--engine", choices=("torch", "megakernel"), default="torch", action=_ModeFlag,
                      help="in-process engine (with --model; default: %(default)s)")

@@ -122,7 +122,7 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
         return 2
     api_key = args.api_key or env.api_key
     try:
-        return _stream_from_server(args, url, api_key)
+        return _stream_from_server(args, _server_root(url), api_key)
     except urllib.error.HTTPError as error:
         hint = ""
         if error.code == HTTPStatus.UNAUTHORIZED:  # the server's message knows nothing of this CLI's flags
@@ -137,6 +137,12 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
     except ServerAnswerError as error:
         print(f"megaserve generate: {url}: {error}", file=sys.stderr)
     return 2
+
+
+def _server_root(url: str) -> str:
+    """The server's root, the paths' prefix, from it or from its OpenAI base URL (the root and /v1:
+    what `megaserve up` prints and the OpenAI SDK takes)."""
+    return url.rstrip("/").removesuffix("/v1")
 
 
 class ServerAnswerError(Exception):
@@ -161,7 +167,7 @@ def _stream_from_server(args: argparse.Namespace, url: str, api_key: str | None)
     else:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
     request = urllib.request.Request(
-        url.rstrip("/") + path, data=json.dumps(body).encode(), headers=_headers(api_key),
+        url + path, data=json.dumps(body).encode(), headers=_headers(api_key),
     )
     started = time.perf_counter()
     arrivals: list[float] = []
@@ -199,11 +205,12 @@ def _stream_from_server(args: argparse.Namespace, url: str, api_key: str | None)
         return 2
     total = time.perf_counter() - started
     tokens = (usage or {}).get("completion_tokens", len(arrivals))
-    ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")
-    per_token = (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1) * 1e3 if arrivals else float("nan")
+    # none without a piece of text (a stream whose tokens all decode to nothing): null in the JSON
+    ttft = round((arrivals[0] - started) * 1e3, 2) if arrivals else None
+    per_token = round((arrivals[-1] - arrivals[0]) / max(tokens - 1, 1) * 1e3, 3) if arrivals else None
     step = (timing or {}).get("mean_step_seconds")
-    summary = {"tier": tier, "finish_reason": finish_reason, "completion_tokens": tokens, "ttft_ms": round(ttft, 2),
-               "ms_per_token_client": round(per_token, 3), "total_s": round(total, 3),
+    summary = {"tier": tier, "finish_reason": finish_reason, "completion_tokens": tokens, "ttft_ms": ttft,
+               "ms_per_token_client": per_token, "total_s": round(total, 3),
                "engine_step_ms": None if step is None else round(step * 1e3, 3)}
     if args.json:
         print(json.dumps({**summary, "text": "".join(pieces)}))
@@ -232,7 +239,7 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 def _served_model(url: str, api_key: str | None) -> str:
-    request = urllib.request.Request(url.rstrip("/") + "/v1/models", headers=_headers(api_key))
+    request = urllib.request.Request(url + "/v1/models", headers=_headers(api_key))
     with urllib.request.urlopen(request) as response:
         models = json.load(response)
     try:

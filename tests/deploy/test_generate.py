@@ -28,7 +28,11 @@ def _generate(*args: str) -> dict:
     done = subprocess.run([sys.executable, "-m", "megaserve.deploy.cli", "generate", *args, "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return json.loads(done.stdout, parse_constant=_not_json)  # NaN and Infinity are Python's, not JSON's
+
+
+def _not_json(constant: str) -> None:
+    raise AssertionError(f"--json printed {constant}, which JSON does not have")
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +228,56 @@ def test_against_a_server_the_json_has_the_text_and_finish_reason():
         server.shutdown()
     assert result["text"] == "Hello" and result["finish_reason"] == "length"
     assert result["completion_tokens"] == 2
+
+
+class PathsHandler(StreamingHandler):
+    """StreamingHandler that answers only the OpenAI API's paths from the root, and keeps them."""
+
+    paths: list[str] = []
+
+    def do_GET(self):
+        self.paths.append(self.path)
+        if self.path == "/v1/models":
+            super().do_GET()
+        else:
+            self._send(404, "application/json", json.dumps({"detail": "Not Found"}))
+
+    def do_POST(self):
+        self.paths.append(self.path)
+        super().do_POST()
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_the_url_is_the_server_s_root_or_its_openai_base_url(suffix):
+    # `megaserve up` prints the base URL (root + /v1), as the OpenAI SDK takes it
+    PathsHandler.paths = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PathsHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = _generate("hi", "--url", f"http://127.0.0.1:{server.server_port}{suffix}")
+    finally:
+        server.shutdown()
+    assert result["text"] == "Hello"
+    assert PathsHandler.paths == ["/v1/models", "/v1/chat/completions"]
+
+
+class NoTextHandler(StreamingHandler):
+    """A stream whose one token decodes to no text (the model stopped at once)."""
+
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}]
+
+
+def test_a_stream_without_text_has_no_token_times_and_its_json_stays_json():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoTextHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = _generate("hi", "--url", f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert result["text"] == "" and result["completion_tokens"] == 1 and result["finish_reason"] == "stop"
+    assert result["ttft_ms"] is None and result["ms_per_token_client"] is None
 
 
 class AuthHandler(StreamingHandler):
