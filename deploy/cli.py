@@ -128,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from megaserve.deploy.local import serve_until_interrupted
 
-        return serve_until_interrupted(args.config, args.host, args.port, args.timeout, env)
+        try:  # once Ray runs, Ctrl-C stops the app (exit 0); before, or while Ray starts, it ends here
+            return serve_until_interrupted(args.config, args.host, args.port, args.timeout, env)
+        except KeyboardInterrupt:
+            print("\nmegaserve up: interrupted", file=sys.stderr)
+            return INTERRUPTED_EXIT
     if args.command == "generate":
         from megaserve.deploy import generate
 

@@ -322,8 +322,12 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     from ray import serve
 
     _say(f"starting Ray (auth mode: {os.environ['RAY_AUTH_MODE']})")
-    ray.init(address="local",  # always a fresh cluster of its own, never a running one
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+    try:
+        ray.init(address="local",  # always a fresh cluster of its own, never a running one
+                 runtime_env={"env_vars": {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}})
+    except KeyboardInterrupt:  # Ctrl-C while Ray starts: stop what of it has started
+        ray.shutdown()
+        raise
     # After ray.init, whose own SIGTERM handler (exit 15, Ray shut down at exit) it replaces: from
     # here on SIGTERM stops the app as Ctrl-C does, while it deploys or once it serves.
     stop = threading.Event()

@@ -372,3 +372,31 @@ def test_up_is_ready_only_once_the_proxy_routes_every_app():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["reading the config", "starting Ray"])
+def test_ctrl_c_before_the_app_runs_stops_what_started_and_exits_130_without_a_traceback(
+        tmp_path, monkeypatch, capsys, where):
+    import ray
+
+    from megaserve.deploy import cli, local
+
+    monkeypatch.setenv("MEGASERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # up sets it for Ray: restored after the test
+    stopped = []
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append("ray"))
+    if where == "reading the config":
+        monkeypatch.setattr(local, "load_serve_config", _interrupt)
+    else:
+        monkeypatch.setattr(ray, "init", _interrupt)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"http_options": {"port": free_port()}, "applications": [{
+        "import_path": BUILDER, "args": {"metrics": {"port": free_port(),
+                                                     "multiproc_dir": str(tmp_path / "metrics")}}}]}))
+    assert cli.main(["up", str(path)]) == cli.INTERRUPTED_EXIT
+    assert capsys.readouterr().err.strip() == "megaserve up: interrupted"
+    assert stopped == ([] if where == "reading the config" else ["ray"])  # what started of Ray is stopped
