@@ -39,6 +39,8 @@ from http.server import ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Gauge, multiprocess
 from prometheus_client.exposition import MetricsHandler
 
+from megaserve.deploy.cli import port_argument
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PROG = "python -m megaserve.monitoring.exporter"
 RETRY_SECONDS = 5.0  # how soon a waiting process takes a freed port over
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     """Serve the node's metrics folder (PROMETHEUS_MULTIPROC_DIR) on host:port in the foreground."""
     parser = argparse.ArgumentParser(prog=PROG, description=main.__doc__)
     parser.add_argument("--host", required=True, help="address to bind, e.g. 0.0.0.0 in a pod")
-    parser.add_argument("--port", type=int, required=True, help="the config's metrics.port")
+    parser.add_argument("--port", type=port_argument, required=True, help="the config's metrics.port")
     parser.add_argument("--outlive-processes-in", metavar="PROC_ROOT",
                         help="on SIGTERM or SIGINT, serve on until the proc filesystem at PROC_ROOT shows none "
                              "of the processes that recorded into the folder running, nor a raylet (/proc in a "

@@ -422,6 +422,18 @@ def test_a_linger_it_cannot_honour_is_refused(tmp_path, args, message):
     assert message in stderr
 
 
+@pytest.mark.parametrize("port", ["0", "70000", "metrics"])
+def test_a_port_it_cannot_serve_on_is_refused_by_name(tmp_path, port):
+    # 0 would bind a port that nobody is told; past 65535 the bind raised in the serving thread
+    exporter = _exporter(port, dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path)))
+    try:
+        _, stderr = exporter.communicate(timeout=60)
+    finally:
+        exporter.kill()  # one that serves after all
+    assert exporter.returncode == 2
+    assert "argument --port: a port is" in stderr and "Traceback" not in stderr
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_without_outliving_a_stop_signal_stops_the_standalone_exporter_at_once(tmp_path, stop):
     # A run on a node (or a terminal) that shares its PID namespace with every other process.
