@@ -172,6 +172,15 @@ def _keep_mask(scaled: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     return torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
+def _unseeded_uniform(batch: int, vocab_size: int, device: torch.device, generator: torch.Generator | None
+                      ) -> torch.Tensor:
+    """[B, V] uniform in (0, 1), as the seeded noise is. torch.rand's [0, 1) gives an exact 0 now and
+    then (2^-24 per draw on the CPU), whose Gumbel noise is -inf: a row whose filter kept one token
+    would then be all -inf, and its argmax token 0, a token the filter had removed."""
+    uniform = torch.rand((batch, vocab_size), device=device, generator=generator)
+    return uniform.clamp_(min=torch.finfo(uniform.dtype).tiny)
+
+
 def sample(
     logits: torch.Tensor,
     rows: SamplingRows,
@@ -189,13 +198,13 @@ def sample(
         scaled = scaled.masked_fill(~_keep_mask(scaled, rows), float("-inf"))
     batch, vocab_size = logits.shape
     if rows.any_seeded and rows.any_unseeded:
-        random = torch.rand((batch, vocab_size), device=logits.device, generator=generator)
+        random = _unseeded_uniform(batch, vocab_size, logits.device, generator)
         seeded = seeded_uniform(rows.seed_low, rows.seed_high, positions, vocab_size)
         uniform = torch.where(rows.seeded[:, None], seeded, random)
     elif rows.any_seeded:
         uniform = seeded_uniform(rows.seed_low, rows.seed_high, positions, vocab_size)
     else:
-        uniform = torch.rand((batch, vocab_size), device=logits.device, generator=generator)
+        uniform = _unseeded_uniform(batch, vocab_size, logits.device, generator)
     gumbel = -torch.log(-torch.log(uniform))
     sampled_tokens = (scaled + gumbel).argmax(dim=-1)
     return torch.where(rows.greedy, greedy_tokens, sampled_tokens)

@@ -99,6 +99,18 @@ def test_top_p_that_rounds_to_zero_still_keeps_the_top_token():
     assert torch.equal(_draw(logits, params, list(range(8)), torch.Generator().manual_seed(3)), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("seeded_neighbour", [False, True], ids=["unseeded batch", "mixed batch"])
+def test_an_unseeded_draw_of_exactly_zero_still_picks_a_token_the_filter_kept(monkeypatch, seeded_neighbour):
+    # torch.rand draws from [0, 1): an exact 0 (2^-24 per draw on the CPU) is forced here for every
+    # token. A nucleus of one token must still give that token, not token 0 of an all -inf row.
+    logits = _logits(2)
+    assert (logits.argmax(-1) != 0).all()
+    monkeypatch.setattr(torch, "rand", lambda size, **kwargs: torch.zeros(size, device=kwargs.get("device")))
+    params = [SamplingParams(temperature=1.0, top_p=1e-6), SamplingParams(temperature=1.0, top_p=1e-6,
+                                                                          seed=5 if seeded_neighbour else None)]
+    assert _draw(logits, params, [0, 0])[0] == logits[0].argmax()
+
+
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two (0.5 < 0.7 <= 0.8).
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
