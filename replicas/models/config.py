@@ -101,6 +101,8 @@ class ModelConfig:
             return _integer(key, get(key, fallback))
 
         num_heads, hidden_size = integer("num_attention_heads"), integer("hidden_size")
+        if num_heads < 1:  # before head_dim's fallback divides by it
+            raise ValueError(f"config.json field 'num_attention_heads' must be positive, got {num_heads}")
         rope_theta, rope_scaling = _rope(raw, defaults["rope_theta"])
         return cls(
             family=family,
@@ -172,7 +174,11 @@ def _refuse_unsupported(raw: dict[str, Any], family: str) -> None:
 def _rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either `rope_parameters` (transformers 5) or the classic
     `rope_theta` + `rope_scaling` keys."""
-    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})  # transformers' precedence
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}  # transformers' precedence
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json rope parameters must be an object (rope_scaling or rope_parameters), "
+                         f"got {params!r}")
+    params = dict(params)
     if params and not all(isinstance(value, (int, float, str)) for value in params.values()):
         raise ValueError(f"config.json rope parameters {params!r} are per layer type; not supported")
     theta = _number("rope_theta", params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta)

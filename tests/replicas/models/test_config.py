@@ -138,6 +138,10 @@ def test_llama3_scaling_slows_only_long_wavelengths():
          "'rope_scaling.original_max_position_embeddings' must be a whole number"),
         ({"eos_token_id": "</s>"}, "'eos_token_id' must be a token id or a list of them, got '</s>'"),
         ({"eos_token_id": [128001, -1]}, "'eos_token_id' must be a token id"),
+        # a count of 0 is named before anything divides by it, whether head_dim is given or not
+        ({"num_attention_heads": 0}, "'num_attention_heads' must be positive, got 0"),
+        ({"num_attention_heads": 0, "head_dim": 128}, "'num_attention_heads' must be positive, got 0"),
+        ({"rope_scaling": "llama3"}, "rope parameters must be an object"),
     ],
 )
 def test_unsupported_llama_configs_name_the_field(change, message):
