@@ -283,6 +283,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int token = __ldcg(state + kStateToken);
   const int pos = __ldcg(state + kStatePos);
+  // Each replay advances the position on the device, where the host's checks (set_position, the
+  // engine's context limit) do not see it: a replay at max_seq would write its key and value into
+  // the next KV head's rows, or past the cache. Every thread reads the same values, so the whole
+  // grid stops here; the step then fails on the host instead of corrupting the cache in silence.
+  if (pos < 0 || pos >= max_seq || token < 0 || token >= S::vocab) __trap();
   const bf16* embed_row = embed + static_cast<size_t>(token) * S::hidden;
   sh.rope.fill(rope_inv_freq, pos);  // published by layer 0's RMSNorm's __syncthreads
   unsigned* barrier = counters + kCounterBarrier;

@@ -25,12 +25,17 @@ stale vector would move logits by O(1).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from megaserve.kernels.launcher import DecodeStep
 from megaserve.replicas.models import load_model
+from tests.gpu.conftest import SHAPES
 from tests.gpu.reference import DEVICE, kernel_step, megakernel_model, prefill, reference_step, tie_gap
+from tests.model_factory import make_tiny_model
 
 NOISE_FACTOR = 2.0
 NOISE_FLOOR = 5e-3
@@ -200,3 +205,39 @@ def test_stage_timestamps(tiny_model_dir, kernel_cache):
     assert -(times.seconds["attention"] + times.seconds["o_proj"]) <= times.release["qkv"] <= times.seconds["qkv"], times
     assert 0 <= times.tail["attention"] <= qkv_to_o, times
     assert -times.seconds["o_proj"] <= times.release["attention"] <= times.seconds["attention"], times
+
+
+# In a process of its own: a kernel that stops with a trap leaves its CUDA context unusable.
+PAST_THE_END = """
+import sys
+import torch
+from megaserve.kernels.build import KernelCache
+from megaserve.kernels.launcher import DecodeStep, store_transposed
+from megaserve.replicas.models import load_model
+
+model = load_model(sys.argv[1], "cuda", torch.bfloat16)
+store_transposed(model)
+cache = model.new_cache(1, 4)
+step = DecodeStep(model, cache, 0, KernelCache(sys.argv[2]))
+step.set_position(5, 3)
+step.launch()  # the cache's last position; the state moves on to 4, past it
+torch.cuda.synchronize()
+print("the last position ran", flush=True)
+step.launch()
+try:
+    torch.cuda.synchronize()
+except Exception as error:
+    print(f"refused: {type(error).__name__}: {error}", flush=True)
+    sys.exit(0)
+print("ran past the cache's end", flush=True)
+sys.exit(1)
+"""
+
+
+def test_a_replay_past_the_cache_s_end_stops_the_kernel_instead_of_writing_past_it(tmp_path, kernel_cache):
+    settings = dict(SHAPES["llama-hd64-gqa4"])
+    model_dir = make_tiny_model(tmp_path / "model", settings.pop("family"), dtype=torch.bfloat16, **settings)
+    done = subprocess.run([sys.executable, "-c", PAST_THE_END, str(model_dir), str(kernel_cache.directory)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the last position ran" in done.stdout and "refused:" in done.stdout
