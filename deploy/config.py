@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from megaserve.deploy.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
+from megaserve.deploy.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION, server_arg_type_problem
 from megaserve.replicas.engines.sglang_engine import OWNED_ARGS as SGLANG_OWNED_ARGS
 from megaserve.replicas.engines.sglang_engine import check_engine_args as check_sglang_args
 from megaserve.replicas.protocol import CoalescePolicy
@@ -269,7 +269,7 @@ class ThroughputTier(TierCommon):
         default_factory=dict, description="engine sglang: further `sglang.Engine` keyword "
         "arguments (SGLang ServerArgs fields, e.g. chunked_prefill_size, "
         "enable_deterministic_inference for seeded sampling); a key that is not a ServerArgs field of "
-        "the pinned SGLang is refused, and so are the ones megaserve sets: model_path (model.path), "
+        "the pinned SGLang is refused, as is a value of another type than a scalar field's, and so are the ones megaserve sets: model_path (model.path), "
         "tp_size, context_length (max_seq_len), dtype (model.dtype), max_running_requests (max_batch), "
         "enable_metrics (sglang_metrics), mem_fraction_static (sglang_mem_fraction_static), "
         "skip_tokenizer_init; also those that place SGLang on other GPUs or nodes than the replica "
@@ -295,6 +295,10 @@ class ThroughputTier(TierCommon):
         unknown = sorted(set(self.sglang_args) - SERVER_ARGS_FIELDS)
         if unknown:
             raise ValueError(f"throughput.sglang_args: {'; '.join(_unknown_server_arg(key) for key in unknown)}")
+        mistyped = [problem for key, value in sorted(self.sglang_args.items())
+                    if (problem := server_arg_type_problem(key, value)) is not None]
+        if mistyped:
+            raise ValueError(f"throughput.sglang_args: {'; '.join(mistyped)}")
         try:
             check_sglang_args(self.sglang_args)
         except ValueError as error:

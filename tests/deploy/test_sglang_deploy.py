@@ -78,6 +78,11 @@ def test_the_replica_holds_its_tp_group_s_gpus_in_one_bundle_and_writes_to_the_m
     ({"sglang_args": {"chunked_prefil_size": 4096, "no_such_field": 1}},
      "throughput.sglang_args: 'chunked_prefil_size' is not a ServerArgs field of SGLang 0.5.23 "
      "\\(did you mean 'chunked_prefill_size'.*; 'no_such_field' is not a ServerArgs field"),
+    # ServerArgs converts nothing: YAML's `4k`, or 1e-3 (YAML 1.1 reads it as a string), would fail on the GPUs
+    ({"sglang_args": {"chunked_prefill_size": "4k", "watchdog_timeout": "1e-3", "enable_metrics_for_all_schedulers": 1}},
+     "throughput.sglang_args: 'chunked_prefill_size' must be int or null, got '4k'; "
+     "'enable_metrics_for_all_schedulers' must be bool, got 1; 'watchdog_timeout' must be float, got '1e-3'"),
+    ({"sglang_args": {"max_prefill_tokens": True}}, "'max_prefill_tokens' must be int, got True"),
     ({"sglang_mem_fraction_static": 1.0}, "sglang_mem_fraction_static\n  Input should be less than 1"),
     ({"sglang_mem_fraction_static": 0}, "sglang_mem_fraction_static\n  Input should be greater than 0"),
     ({"device": "cpu", "tp_size": 1, "accelerator_type": None}, "engine sglang needs throughput.device: cuda"),
@@ -90,6 +95,12 @@ def test_the_replica_holds_its_tp_group_s_gpus_in_one_bundle_and_writes_to_the_m
 def test_bad_sglang_tiers_fail_with_a_message_naming_the_field(throughput, message):
     with pytest.raises(ValidationError, match=message):
         _config(**throughput)
+
+
+def test_sglang_args_of_the_types_their_fields_take_are_passed_on_as_given():
+    args = {"chunked_prefill_size": None, "watchdog_timeout": 300, "enable_deterministic_inference": True,
+            "stream_interval": 2, "json_model_override_args": "{}", "cuda_graph_bs_decode": [1, 2, 4]}
+    assert _config(sglang_args=args).throughput.sglang_args == args  # an int is a float; a list, SGLang's to check
 
 
 @pytest.mark.skipif(SGLANG_INSTALLED, reason="SGLang is installed here")
