@@ -127,13 +127,6 @@ def _pod_specs() -> dict[str, dict]:
     return specs
 
 
-def _pod_labels() -> dict[str, dict]:
-    """Group name ('head' for the head) -> its pods' labels."""
-    cluster = _cluster()
-    groups = {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster["workerGroupSpecs"]}}
-    return {name: group["template"]["metadata"]["labels"] for name, group in groups.items()}
-
-
 def _worker_group(name: str) -> dict:
     (group,) = [g for g in _cluster()["workerGroupSpecs"] if g["groupName"] == name]
     return group
@@ -227,7 +220,7 @@ def test_custom_resources_validate_against_their_crd(doc):
 
 def test_core_kinds_validate_with_kubernetes_validate():
     core = [d for d in _documents() if _is_core(d)]
-    assert {d["kind"] for d in core} == {"ConfigMap", "PodDisruptionBudget"}
+    assert {d["kind"] for d in core} == {"ConfigMap"}
     for doc in core:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
@@ -572,20 +565,6 @@ def test_the_kubernetes_steps_create_every_secret_and_claim_the_pods_need(docume
     assert used["Secret"] and used["PersistentVolumeClaim"]
     for kind, names in used.items():
         assert {(namespace, name) for name in names} <= created[kind], kind
-
-
-def test_a_drain_evicts_one_worker_pod_of_each_tier_at_a_time_and_never_waits_on_the_head():
-    budgets = [d for d in _documents() if d["kind"] == "PodDisruptionBudget"]
-    labels = _pod_labels()
-
-    def selected(budget: dict) -> set[str]:
-        wanted = budget["spec"]["selector"]["matchLabels"].items()
-        return {group for group, pod_labels in labels.items() if wanted <= pod_labels.items()}
-
-    assert sorted(group for budget in budgets for group in selected(budget)) == ["latency", "throughput"]
-    for budget in budgets:
-        assert budget["spec"]["maxUnavailable"] == 1
-        assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a stuck pod never blocks a drain
 
 
 def test_dashboards_config_map_is_for_grafanas_sidecar():
