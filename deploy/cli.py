@@ -18,8 +18,7 @@ MAX_PORT = 65535
 INTERRUPTED_EXIT = 128 + signal.SIGINT  # a shell's exit status for a process that SIGINT stopped
 
 
-def port_argument(text: str) -> int:
-    """argparse type of a TCP port to serve on: 1-65535 (0 would bind a port nobody is told)."""
+def _port(text: str) -> int:
     try:
         port = int(text)
     except ValueError:
@@ -71,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="start a local Ray cluster and serve the app until Ctrl-C")
     up.add_argument("config", nargs="?", help="Serve config YAML (default: the embedded CPU demo)")
     up.add_argument("--host", type=_host, help="override http_options.host")
-    up.add_argument("--port", type=port_argument, help="override http_options.port")
+    up.add_argument("--port", type=_port, help="override http_options.port")
     up.add_argument("--timeout", type=_positive_seconds, default=600.0,
                     help="seconds to wait for every replica to become healthy (default: %(default)g)")
 

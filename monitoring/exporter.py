@@ -39,10 +39,9 @@ from http.server import ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Gauge, multiprocess
 from prometheus_client.exposition import MetricsHandler
 
-from megaserve.deploy.cli import port_argument
-
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PROG = "python -m megaserve.monitoring.exporter"
+TCP_PORTS = range(1, 2**16)  # 0 would bind a port that nobody is told
 RETRY_SECONDS = 5.0  # how soon a waiting process takes a freed port over
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 OUTLIVE_CHECK_SECONDS = 1.0  # how often a stopping exporter looks whether the processes it outlives are gone
@@ -250,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     """Serve the node's metrics folder (PROMETHEUS_MULTIPROC_DIR) on host:port in the foreground."""
     parser = argparse.ArgumentParser(prog=PROG, description=main.__doc__)
     parser.add_argument("--host", required=True, help="address to bind, e.g. 0.0.0.0 in a pod")
-    parser.add_argument("--port", type=port_argument, required=True, help="the config's metrics.port")
+    parser.add_argument("--port", type=int, required=True, help="the config's metrics.port")
     parser.add_argument("--outlive-processes-in", metavar="PROC_ROOT",
                         help="on SIGTERM or SIGINT, serve on until the proc filesystem at PROC_ROOT shows none "
                              "of the processes that recorded into the folder running, nor a raylet (/proc in a "
@@ -259,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --outlive-processes-in: serve this much longer once those processes have "
                              "exited, so that a scrape reads their last values (at least the scrape interval)")
     args = parser.parse_args(argv)
+    if args.port not in TCP_PORTS:  # past them the bind raised in the serving thread
+        parser.error(f"argument --port: a port is {TCP_PORTS[0]}-{TCP_PORTS[-1]}, got {args.port}")
     if not math.isfinite(args.linger_seconds) or args.linger_seconds < 0:  # time.sleep raises on nan and inf
         parser.error(f"--linger-seconds must be a number of seconds, 0 or more, not {args.linger_seconds:g}")
     if args.linger_seconds and args.outlive_processes_in is None:

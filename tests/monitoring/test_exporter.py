@@ -431,7 +431,7 @@ def test_a_port_it_cannot_serve_on_is_refused_by_name(tmp_path, port):
     finally:
         exporter.kill()  # one that serves after all
     assert exporter.returncode == 2
-    assert "argument --port: a port is" in stderr and "Traceback" not in stderr
+    assert "argument --port:" in stderr and "Traceback" not in stderr
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
