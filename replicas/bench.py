@@ -363,11 +363,7 @@ def bench_context(
                     yield method, measured
                     continue
                 round_seconds, launches, stages, timing_cost_ms = measured
-                # the stages are the timing build's last replay's: it writes position context +
-                # REPLAYS_PER_POSITION_RESET - 1, and its attention reads every position up to it
-                last_replay_positions = context + REPLAYS_PER_POSITION_RESET
-                extra = {"stage_ms": _ms(stages.seconds),
-                         "stage_bytes": stage_read_bytes(model.config, last_replay_positions),
+                extra = {"stage_ms": _ms(stages.seconds), "stage_bytes": stage_read_bytes(model.config, context + 1),
                          "stage_tail_ms": _ms(stages.tail), "stage_release_ms": _ms(stages.release),
                          "stage_late_repeat": stages.late_repeat, "timing_cost_ms": timing_cost_ms,
                          "round_ms": [seconds * 1e3 for seconds in round_seconds]}
@@ -447,7 +443,9 @@ def bench_megakernels(
         timed_graph = capture(timed.launch)
         timed.set_position(0, context)
         timed_seconds = time_steps(timed_graph.replay, TIMED_STEPS)
-        # the stages of the timing build's last replay
+        # the stages of one more replay, at the context's position as every byte count of the bench
+        timed.set_position(0, context)
+        timed_graph.replay()
         yield method, (samples[method], launches, timed.stage_times(), (timed_seconds - seconds) * 1e3)
 
 

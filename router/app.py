@@ -358,6 +358,10 @@ class _Router:
         except (APIError, *GENERATION_ERRORS) as error:
             raise _routed(generation_error(error, lease.tier.value, request_id,
                                            self.settings.retry_after_seconds)) from None
+        except Exception:  # noqa: BLE001 - a fault of the router's own: logged under the id the client is told
+            log.exception("%s failed", request_id)
+            raise _routed(APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error (request id {request_id})",
+                                   type=SERVER_ERROR)) from None
         finally:
             if lease is not None:
                 try:

@@ -34,8 +34,7 @@ from megaserve.monitoring.metrics import start_router_series
 from megaserve.replicas.protocol import EngineDeadError, EngineError, GenerateRequest, StepOutput, Tier
 from megaserve.router.app import create_app
 from megaserve.router.backend import Backend
-from megaserve.router.errors import busy
-from megaserve.router.generation import GenerationFailed
+from megaserve.router.errors import GenerationFailed, busy
 from megaserve.router.policy import single_router
 from megaserve.router.settings import RouterSettings
 

@@ -10,16 +10,20 @@ import logging
 from http import HTTPStatus
 
 from megaserve.replicas.protocol import EngineDeadError, EngineError
-from megaserve.router.generation import GenerationFailed
 
 INVALID_REQUEST = "invalid_request_error"
 RATE_LIMIT = "rate_limit_error"  # what OpenAI answers with 429
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
+log = logging.getLogger(__name__)
+
+
+class GenerationFailed(Exception):
+    """The replica ended a stream with an error, or without a finish reason."""
+
+
 # What a generation that its replica ended can raise after the request was admitted
 GENERATION_ERRORS = (EngineError, EngineDeadError, GenerationFailed)
-
-log = logging.getLogger(__name__)
 
 
 class APIError(Exception):

@@ -37,6 +37,7 @@ from megaserve.monitoring.metrics import (
 )
 from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier
 from megaserve.router.backend import Backend
+from megaserve.router.errors import GenerationFailed
 from megaserve.router.streaming import closing
 from megaserve.router.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -48,10 +49,6 @@ STOPPED_BEFORE_THE_END = "the replica was shut down before the generation finish
 # Stop strings whose matching tables are kept: 16 of at most 1,024 characters per request
 # (openai_schema's limits), so a few MB at most.
 STOP_TABLES_CACHED = 256
-
-
-class GenerationFailed(Exception):
-    """The replica ended a stream with an error, or without a finish reason."""
 
 
 @dataclass(frozen=True)

@@ -422,12 +422,12 @@ def test_a_linger_it_cannot_honour_is_refused(tmp_path, args, message):
     assert message in stderr
 
 
-@pytest.mark.parametrize("port", ["0", "70000", "metrics"])
+@pytest.mark.parametrize("port", ["0", "70000"])
 def test_a_port_it_cannot_serve_on_is_refused_by_name(tmp_path, port):
     # 0 would bind a port that nobody is told; past 65535 the bind raised in the serving thread
     exporter = _exporter(port, dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path)))
     try:
-        _, stderr = exporter.communicate(timeout=60)
+        _, stderr = exporter.communicate(timeout=20)  # refused at once; before, it served
     finally:
         exporter.kill()  # one that serves after all
     assert exporter.returncode == 2

@@ -27,8 +27,7 @@ from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.protocol import EngineDeadError, EngineError, FinishReason, GenerateRequest, StepOutput
 from megaserve.router import deployment
 from megaserve.router.deployment import HEALTH_CACHE_SECONDS, RouterDeployment, ServeBackend
-from megaserve.router.errors import APIError
-from megaserve.router.generation import GenerationFailed
+from megaserve.router.errors import APIError, GenerationFailed
 from megaserve.router.settings import RouterSettings
 
 SHARES_SEEN_SECONDS = 60  # Serve's proxy picks a router per request: both answer well within this

@@ -12,7 +12,8 @@ import pytest
 
 from megaserve.monitoring.metrics import FINISHED_REQUESTS, GENERATION_TOKENS, INTER_TOKEN_LATENCY
 from megaserve.replicas.protocol import FinishReason, GenerateRequest, SamplingParams, StepOutput, Tier
-from megaserve.router.generation import Generation, GenerationFailed, StopMatcher, _kmp_fallbacks
+from megaserve.router.errors import GenerationFailed
+from megaserve.router.generation import Generation, StopMatcher, _kmp_fallbacks
 from megaserve.router.tokenizer import Tokenizer
 
 STEP_SECONDS = 0.001

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncGenerator
 
 import httpx
@@ -72,9 +73,13 @@ class BackendFailingAtOnce:
 
 @pytest.mark.parametrize("origins", [(), ("https://chat.example.com",)], ids=["no CORS", "CORS"])
 def test_an_unexpected_failure_before_the_answer_is_a_json_500_that_a_listed_origin_can_read(
-        serve_router, origins):
+        serve_router, caplog, origins):
     url = serve_router({Tier.LATENCY: BackendFailingAtOnce()}, cors_allowed_origins=origins)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "service_tier": "priority"}
-    response = httpx.post(url + "/v1/chat/completions", json=body, headers={"Origin": "https://chat.example.com"})
+    with caplog.at_level(logging.ERROR, logger="megaserve.router"):
+        response = httpx.post(url + "/v1/chat/completions", json=body, headers={"Origin": "https://chat.example.com"})
     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    # the client is told the id that the log's traceback is under
+    [request_id] = re.findall(r"request id (chatcmpl-[0-9a-f]{32})", response.json()["error"]["message"])
+    assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)
     assert response.headers.get("access-control-allow-origin") == (origins[0] if origins else None)
