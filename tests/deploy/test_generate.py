@@ -3,6 +3,7 @@ against a running server."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,6 +24,18 @@ from megaserve.replicas import engines
 from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.protocol import FinishReason, StepOutput
 from tests.model_factory import sentencepiece_style_tokenizer
+
+
+@contextlib.contextmanager
+def _serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A stub server on a free local port, for as long as the block runs: its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
 
 
 def _generate(*args: str) -> dict:
@@ -194,13 +208,8 @@ class FailingStreamHandler(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_stream_that_fails_after_its_200_is_an_error():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FailingStreamHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        error = _generate_fails("hi", "--url", f"http://127.0.0.1:{server.server_port}")
-    finally:
-        server.shutdown()
+    with _serving(FailingStreamHandler) as url:
+        error = _generate_fails("hi", "--url", url)
     assert "failed mid-stream: the replica died" in error
 
 
@@ -220,12 +229,8 @@ class StreamingHandler(FailingStreamHandler):
 
 
 def test_against_a_server_the_json_has_the_text_and_finish_reason():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StreamingHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        result = _generate("hi", "--url", f"http://127.0.0.1:{server.server_port}")
-    finally:
-        server.shutdown()
+    with _serving(StreamingHandler) as url:
+        result = _generate("hi", "--url", url)
     assert result["text"] == "Hello" and result["finish_reason"] == "length"
     assert result["completion_tokens"] == 2
 
@@ -251,12 +256,8 @@ class PathsHandler(StreamingHandler):
 def test_the_url_is_the_server_s_root_or_its_openai_base_url(suffix):
     # `megaserve up` prints the base URL (root + /v1), as the OpenAI SDK takes it
     PathsHandler.paths = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PathsHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        result = _generate("hi", "--url", f"http://127.0.0.1:{server.server_port}{suffix}")
-    finally:
-        server.shutdown()
+    with _serving(PathsHandler) as url:
+        result = _generate("hi", "--url", url + suffix)
     assert result["text"] == "Hello"
     assert PathsHandler.paths == ["/v1/models", "/v1/chat/completions"]
 
@@ -270,12 +271,8 @@ class NoTextHandler(StreamingHandler):
 
 
 def test_a_stream_without_text_has_no_token_times_and_its_json_stays_json():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoTextHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        result = _generate("hi", "--url", f"http://127.0.0.1:{server.server_port}")
-    finally:
-        server.shutdown()
+    with _serving(NoTextHandler) as url:
+        result = _generate("hi", "--url", url)
     assert result["text"] == "" and result["completion_tokens"] == 1 and result["finish_reason"] == "stop"
     assert result["ttft_ms"] is None and result["ms_per_token_client"] is None
 
@@ -304,10 +301,8 @@ class AuthHandler(StreamingHandler):
 
 @pytest.fixture
 def auth_url():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AuthHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    with _serving(AuthHandler) as url:
+        yield url
 
 
 def test_a_401_without_a_key_says_to_give_one_with_api_key(auth_url, monkeypatch):
@@ -387,15 +382,10 @@ class BrokenServerHandler(http.server.BaseHTTPRequestHandler):
     ("latin-1", "answered 502: <p>Passerelle occup\ufffde</p>", ""),
 ])
 def test_a_server_that_answers_something_else_is_a_one_line_error(path, message, printed):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BrokenServerHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_port}/{path}"
-        error = _generate_fails("hi", "--url", url, printed=printed)
-        assert message in error
-        assert error.startswith("\n") or not printed  # the message on a line of its own, after the text
-    finally:
-        server.shutdown()
+    with _serving(BrokenServerHandler) as url:
+        error = _generate_fails("hi", "--url", f"{url}/{path}", printed=printed)
+    assert message in error
+    assert error.startswith("\n") or not printed  # the message on a line of its own, after the text
 
 
 def test_a_malformed_url_is_a_one_line_error():
