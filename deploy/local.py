@@ -284,7 +284,7 @@ def _deployment_progress(status) -> str:
     for app_name, app in status.applications.items():
         for name, dep in app.deployments.items():
             parts.append(f"{name}={dep.status.value}")
-        parts.insert(0, f"{app_name}: {app.status.value}")
+        parts.insert(0, f"app {app_name}: {app.status.value}")
     return ", ".join(parts)
 
 
