@@ -8,6 +8,7 @@ need them (`up`, `generate --url`).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -16,6 +17,7 @@ from megaserve.deploy.env import Environment
 DEFAULT_URL = "http://127.0.0.1:8000"
 MAX_PORT = 65535
 INTERRUPTED_EXIT = 128 + signal.SIGINT  # a shell's exit status for a process that SIGINT stopped
+READER_GONE_EXIT = 128 + signal.SIGPIPE  # ... and for one that wrote to a pipe whose reader had left
 
 
 def _port(text: str) -> int:
@@ -143,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C: the stream so far stays on the screen, no traceback
             print("\nmegaserve generate: interrupted", file=sys.stderr)
             return INTERRUPTED_EXIT
+        except BrokenPipeError:  # `generate | head`: the reader has what it wanted, which is no error
+            # stdout to nowhere, or the interpreter's own flush at exit raises again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return READER_GONE_EXIT
     raise AssertionError(args.command)
 
 

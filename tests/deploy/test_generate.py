@@ -465,3 +465,44 @@ def test_ctrl_c_keeps_the_text_so_far_and_exits_130_without_a_traceback():
         server.shutdown()
     assert proc.returncode == 128 + signal.SIGINT
     assert err == "\nmegaserve generate: interrupted\n" and out == ""
+
+
+
+def test_without_json_the_text_goes_to_stdout_and_one_summary_line_to_stderr():
+    with _serving(StreamingHandler) as url:
+        done = subprocess.run([sys.executable, "-m", "megaserve.deploy.cli", "generate", "hi", "--url", url],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "Hello"
+    line = done.stderr.strip()
+    assert "\n" not in line and line.startswith("[?] 2 tokens, first token ")  # the stub sends no tier
+    assert " ms per token at the client, " in line and ", finish length, " in line and line.endswith(" s")
+
+
+class PausingStreamHandler(StreamingHandler):
+    """StreamingHandler that pauses after its first piece of text, time for the reader to leave."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for index, chunk in enumerate(self.chunks):
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            if index == 1:
+                time.sleep(0.5)
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_a_reader_that_leaves_early_ends_it_quietly_with_sigpipe_s_status():
+    with _serving(PausingStreamHandler) as url:
+        proc = subprocess.Popen([sys.executable, "-m", "megaserve.deploy.cli", "generate", "hi", "--url", url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.read(3) == "Hel"
+            proc.stdout.close()  # as `| head -c 3` does
+            err = proc.stderr.read()
+            assert proc.wait(timeout=30) == 128 + signal.SIGPIPE
+        finally:
+            proc.kill()
+    assert err == ""  # no traceback, and no "Exception ignored" from the interpreter's exit
