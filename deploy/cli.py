@@ -97,8 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)g, off)")
     gen.add_argument("--top-k", type=int, default=0,
                      help="sample from the k likeliest tokens (default: %(default)d, off)")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="seed of the sampling, for a repeatable draw at temperature > 0 (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="generate --max-tokens tokens, past the model's end-of-sequence tokens")
     gen.add_argument("--api-key", default=None,
                      help="bearer key for a server with auth on (default: $MEGASERVE_API_KEY, if set)")
     gen.add_argument("--json", action="store_true",

@@ -531,13 +531,16 @@ def _cannot_write(path: Path) -> str | None:
     return None
 
 
-def parse_args(argv: list[str] | None, kernel_cache: Path | None = None) -> argparse.Namespace:
+def arg_parser(kernel_cache: Path | None = None) -> argparse.ArgumentParser:
     """The bench's flags; `kernel_cache` is --kernel-cache's default (`megaserve bench` passes
     MEGASERVE_KERNEL_CACHE's folder), without which the flag is required."""
     parser = argparse.ArgumentParser(prog="megaserve bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(BENCH_CONFIGS), default=list(BENCH_CONFIGS))
-    parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--models", nargs="+", choices=sorted(BENCH_CONFIGS), default=list(BENCH_CONFIGS),
+                        help="model shapes to time, each with random weights (default: all)")
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS),
+                        help="tokens already in the KV cache when the timed steps start (default: %(default)s)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="decode engines timed side by side on each shape (default: all)")
     parser.add_argument("--kernel-cache", type=Path, required=kernel_cache is None, default=kernel_cache,
                         help="folder for compiled kernels" + (f" (default {kernel_cache})" if kernel_cache else ""))
     parser.add_argument("--out", type=Path, default=Path("bench.json"),
@@ -547,6 +550,12 @@ def parse_args(argv: list[str] | None, kernel_cache: Path | None = None) -> argp
                              f"method {MEGAKERNEL}:NAME")
     parser.add_argument("--rounds", type=int, default=1,
                         help="times each megakernel build is timed, the builds in turn (median of the rounds)")
+    return parser
+
+
+def parse_args(argv: list[str] | None, kernel_cache: Path | None = None) -> argparse.Namespace:
+    """The bench's flags, checked; `kernel_cache` as for arg_parser."""
+    parser = arg_parser(kernel_cache)
     args = parser.parse_args(argv)
     if any(context < 1 for context in args.contexts):
         parser.error("contexts must be positive")

@@ -152,6 +152,13 @@ def _help(capsys, command: str) -> str:
     return " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.parametrize("command", ["up", "generate"])
+def test_every_flag_says_what_it_does(command):
+    subcommands = next(action for action in _parser()._actions if action.dest == "command")
+    flags = subcommands.choices[command]._actions
+    assert [action.option_strings for action in flags if not action.help] == []
+
+
 def test_the_help_shows_the_defaults_and_that_temperature_0_is_greedy(capsys):
     generate = _help(capsys, "generate")
     assert "tokens to generate at most (default: 64)" in generate

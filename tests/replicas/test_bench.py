@@ -18,6 +18,7 @@ from megaserve.replicas.bench import (
     MEGAKERNEL,
     InnerEdgeProbe,
     Result,
+    arg_parser,
     format_table,
     parse_args,
     random_model,
@@ -148,6 +149,10 @@ def test_flags_that_would_be_ignored_or_run_twice_are_refused(tmp_path, capsys, 
     with pytest.raises(SystemExit):
         parse_args(["--kernel-cache", str(tmp_path / "k"), "--out", str(tmp_path / "b.json"), *argv])
     assert message in capsys.readouterr().err
+
+
+def test_every_flag_says_what_it_does():
+    assert [action.option_strings for action in arg_parser()._actions if not action.help] == []
 
 
 def test_contexts_must_be_positive(capsys):
