@@ -144,7 +144,7 @@ class _Router:
             prompt_ids = await self._tokenize(characters, self.tokenizer.encode_chat, messages)
         except ChatTemplateError as error:
             raise invalid(str(error), "messages") from None
-        return await self._generate(request, body, prompt_ids, arrival, chat=True)
+        return await self._generate(request, body, [prompt_ids], arrival, chat=True)
 
     async def _tokenize(self, characters: int, tokenize: Callable[..., list[int]], *args) -> list[int]:
         """tokenize(*args) in a worker thread (a long prompt must not stall every other stream of this
@@ -160,14 +160,21 @@ class _Router:
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         body = await self._read(request, CompletionRequest)
-        if isinstance(body.prompt, str):
-            prompt_ids = await self._tokenize(len(body.prompt), self.tokenizer.encode, body.prompt)
-            if not prompt_ids:  # "" where the tokenizer adds no BOS: nothing for a model to go on from
-                raise invalid("the prompt is empty: it has no tokens, and this model's tokenizer adds none", "prompt")
-        else:
-            prompt_ids = list(body.prompt)
-            self._check_token_ids(prompt_ids, "prompt")
-        return await self._generate(request, body, prompt_ids, arrival, chat=False)
+        prompts = body.prompts
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        encoded = iter(await self._tokenize(sum(map(len, texts)), self._encode_all, texts) if texts else [])
+        prompts_ids = []
+        for index, prompt in enumerate(prompts):
+            where, param = _prompt_name(index, len(prompts), chat=False)
+            ids = next(encoded) if isinstance(prompt, str) else list(prompt)
+            if not ids:  # "" where the tokenizer adds no BOS: nothing for a model to go on from
+                raise invalid(f"{where} is empty: it has no tokens, and this model's tokenizer adds none", param)
+            self._check_token_ids(ids, param)
+            prompts_ids.append(ids)
+        return await self._generate(request, body, prompts_ids, arrival, chat=False)
+
+    def _encode_all(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenizer.encode(text) for text in texts]
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -284,19 +291,23 @@ class _Router:
         return ModelCard(id=self.settings.model_name, created=self.settings.created,
                          max_model_len=self.settings.max_context)
 
-    def _sampling(self, body: GenerationRequest, prompt_tokens: int) -> SamplingParams:
+    def _sampling(self, body: GenerationRequest, prompts: list[list[int]]) -> SamplingParams:
+        """The sampling of every choice, its max_tokens fitting the longest prompt's room."""
         context = self.settings.max_context
         chat = isinstance(body, ChatCompletionRequest)
+        longest = max(range(len(prompts)), key=lambda index: len(prompts[index]))
+        prompt_tokens = len(prompts[longest])
+        where, param = _prompt_name(longest, len(prompts), chat)
         if prompt_tokens >= context:
-            raise invalid(f"the prompt has {prompt_tokens} tokens but the model's context is {context}; "
-                          "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
+            raise invalid(f"{where} has {prompt_tokens} tokens but the model's context is {context}; "
+                          "shorten it", param, "context_length_exceeded")
         room = context - prompt_tokens
         requested = body.requested_max_tokens
         max_tokens = requested or (room if chat else COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens > room:
             field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
             given = "" if requested else " (the default)"
-            raise invalid(f"{field} is {max_tokens}{given} but the prompt ({prompt_tokens} tokens) leaves room for "
+            raise invalid(f"{field} is {max_tokens}{given} but {where} ({prompt_tokens} tokens) leaves room for "
                           f"{room} in the model's context of {context}", field, "context_length_exceeded")
         stop_ids = tuple(body.stop_token_ids or ())  # the engines add the model's eos ids themselves
         self._check_token_ids(list(stop_ids), "stop_token_ids")
@@ -313,13 +324,19 @@ class _Router:
     # --- serving a request ----------------------------------------------------------------
 
     async def _generate(
-        self, request: Request, body: GenerationRequest, prompt_ids: list[int], arrival: float, *, chat: bool
+        self, request: Request, body: GenerationRequest, prompts: list[list[int]], arrival: float, *, chat: bool
     ) -> Response:
-        n = body.n or 1
+        """Generate `n` choices of each prompt (one, or a completion batch's): choice `p * n + i` is
+        prompt p's i-th, as in vLLM and OpenAI."""
+        n_per_prompt = body.n or 1
+        n = n_per_prompt * len(prompts)
         if n > MAX_CHOICES:
-            raise invalid(f"n is {n}; this server returns at most {MAX_CHOICES} choices", "n")
-        sampling = self._sampling(body, len(prompt_ids))
-        route = choose_tier(self.settings, body.service_tier, request.headers.get(TIER_HEADER), len(prompt_ids), n)
+            batch = f" for each of {len(prompts)} prompts, {n} choices in all" if len(prompts) > 1 else ""
+            raise invalid(f"n is {n_per_prompt}{batch}; this server returns at most {MAX_CHOICES} choices",
+                          "n" if len(prompts) == 1 else "prompt")
+        sampling = self._sampling(body, prompts)
+        longest = max(map(len, prompts))
+        route = choose_tier(self.settings, body.service_tier, request.headers.get(TIER_HEADER), longest, n)
         receive = disconnect_aware(request.receive, self.disconnect_errors)
         try:
             lease = await unless_disconnected(receive, self.admission.admit(route, n), discard=Lease.release)
@@ -331,9 +348,11 @@ class _Router:
         generation = Generation(
             backend=self.backends[lease.tier],
             requests=[
-                GenerateRequest(f"{request_id}-{i}", tuple(prompt_ids), _choice_sampling(sampling, i), priority)
-                for i in range(n)
+                GenerateRequest(f"{request_id}-{p * n_per_prompt + i}", tuple(prompt_ids),
+                                _choice_sampling(sampling, i), priority)
+                for p, prompt_ids in enumerate(prompts) for i in range(n_per_prompt)
             ],
+            choices_per_prompt=n_per_prompt,
             tier=lease.tier,
             model=self.settings.model_name,
             tokenizer=self.tokenizer,
@@ -378,6 +397,13 @@ def _routed(error: APIError) -> APIError:
 
 async def _collect(events: AsyncGenerator[Delta, None]) -> list[Delta]:
     return [delta async for delta in events]
+
+
+def _prompt_name(index: int, prompts: int, chat: bool) -> tuple[str, str]:
+    """How an error names prompt `index` of `prompts`: in words, and as its `param`."""
+    if prompts > 1:
+        return f"prompt {index} of the batch", f"prompt.{index}"
+    return "the prompt", "messages" if chat else "prompt"
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -1,9 +1,9 @@
 """One admitted request on its tier: replica streams in, text deltas out, metrics recorded.
 
-Each of the request's `n` choices is one `GenerateRequest` to the tier's backend. Its token ids
-are detokenized incrementally; stop strings are matched on the text (the output ends before the
-stop string, finish_reason "stop") and the replica stream is then closed, so the replica stops
-decoding. A stop token id that ends a choice counts as a completion token but adds no text, as in
+Each of the request's `n` choices (of each prompt, for a completion batch) is one
+`GenerateRequest` to the tier's backend. Its token ids are detokenized incrementally; stop strings
+are matched on the text (the output ends before the stop string, finish_reason "stop") and the
+replica stream is then closed, so the replica stops decoding. A stop token id that ends a choice counts as a completion token but adds no text, as in
 vLLM and SGLang by default. A choice that its replica aborts fails the whole request: with the
 replica's error (`GenerationFailed`), or without one, when the engine was shut down, as
 `EngineDeadError`; no answer says "abort". Leaving `events()` early (client gone, error) closes
@@ -132,6 +132,7 @@ class Generation:
     tokenizer: Tokenizer
     stops: tuple[str, ...]
     arrival: float  # time.perf_counter() when the request reached the router
+    choices_per_prompt: int = 1  # `n`: the requests are each prompt's choices in turn
     completion_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -142,7 +143,8 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.requests[0].prompt_token_ids)
+        """Each prompt's tokens once, however many choices it has (as vLLM's usage counts them)."""
+        return sum(len(request.prompt_token_ids) for request in self.requests[::self.choices_per_prompt])
 
     async def events(self) -> AsyncGenerator[Delta, None]:
         """Text deltas of every choice, interleaved as they arrive."""

@@ -282,17 +282,26 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        """OpenAI accepts a batch of prompts; megaserve serves one prompt per request."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per request: send a batch as separate requests")
-            prompt = prompt[0]
-        if isinstance(prompt, list) and not prompt:  # a text prompt "" may tokenize to a BOS, as in vLLM
+    def _prompts_not_empty(cls, prompt: Any) -> str | list[int] | list[str] | list[list[int]]:
+        """One prompt (a text or token ids), or OpenAI's batch of them (a list of either)."""
+        if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and min(prompt) < 0:
-            raise ValueError("token ids must be >= 0")
+        batch = isinstance(prompt[0], (str, list)) if isinstance(prompt, list) else False
+        for index, one in enumerate(prompt if batch else [prompt]):
+            where = f"prompt {index} of the batch" if batch else "the prompt"
+            # a text prompt "" may tokenize to a BOS, as in vLLM: the router checks its tokens
+            if isinstance(one, list) and not one:
+                raise ValueError(f"{where} is empty")
+            if isinstance(one, list) and min(one) < 0:
+                raise ValueError(f"{where}: token ids must be >= 0")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or a batch's, in order: each gets `n` choices, the first prompt's first."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
 
 
 # --- responses ---------------------------------------------------------------------------------

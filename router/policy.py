@@ -7,8 +7,9 @@ Choosing (first match wins):
      over any header a gateway adds;
   2. the header `x-megaserve-tier: latency|throughput` (reason "header"), e.g. set per customer
      by a gateway; it decides whenever the body says "auto" or nothing;
-  3. the policy for "auto": n > 1 -> throughput (reason "n"); a prompt longer than
-     `latency_max_prompt_tokens` -> throughput (reason "prompt_length"); else latency ("policy").
+  3. the policy for "auto": more than one choice (n > 1, or a completion batch of prompts) ->
+     throughput (reason "n"); a prompt longer than `latency_max_prompt_tokens` (a batch's longest)
+     -> throughput (reason "prompt_length"); else latency ("policy").
 
 Admitting: the router counts the requests (one slot per choice) it has in flight on each tier
 against the tier's capacity, scaled by the share of the tier's replicas that are healthy (with one
@@ -20,8 +21,8 @@ finds no free slot waits up to `latency_wait_seconds` in FIFO order, then spills
 latency's. Throughput never spills to latency: a batch-1 replica is too precious for work that asked
 for bulk service. A deployment of one tier serves every request on that tier (reason "only_tier"
 when it asked for the other). Refusals: 429 when the slots are taken, 503 when the tier has no
-healthy replica, both with Retry-After; 400 when `n` is more than any router's share of the tier
-ever runs at once.
+healthy replica, both with Retry-After; 400 when the choices are more than any router's share of
+the tier ever runs at once.
 """
 
 from __future__ import annotations
@@ -225,8 +226,8 @@ class Admission:
         _, routers = self.position()
         capacity = router_share(self._full[tier][0], routers, 0)  # the most any router ever runs
         if not unavailable and slots > capacity:  # waiting, or another router, would never help
-            return invalid(f"n is {slots} but the {tier.value} tier runs at most {capacity} choices at once; "
-                           "ask for fewer", "n")
+            return invalid(f"the request asks for {slots} choices (n, for each prompt of a batch) but the "
+                           f"{tier.value} tier runs at most {capacity} at once; ask for fewer", "n")
         state = "has no healthy replica" if unavailable else "is at capacity"
         return busy(f"the {tier.value} tier {state}; retry later",
                     self.settings.retry_after_seconds, unavailable=unavailable)

@@ -236,6 +236,56 @@ def test_prompt_as_token_ids(router_url, tokenizer):
     assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
 
 
+def _completion_texts(router_url: str, prompt, **fields) -> list[str]:
+    body = httpx.post(f"{router_url}/v1/completions",
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 6, **GREEDY, **fields}).json()
+    assert [choice["index"] for choice in body["choices"]] == list(range(len(body["choices"])))
+    return [choice["text"] for choice in body["choices"]]
+
+
+def test_a_batch_of_prompts_gets_each_prompt_s_choices_in_turn_as_alone(router_url, tokenizer):
+    texts = ["The quick brown fox", "Once upon a time", "The quick brown fox"]  # a repeat is a prompt of its own
+    alone = [_completion_texts(router_url, text)[0] for text in texts]
+    assert alone[0] != alone[1]  # or the order would not show
+    assert _completion_texts(router_url, texts) == alone
+    assert _completion_texts(router_url, [tokenizer.encode(text) for text in texts]) == alone
+    assert _completion_texts(router_url, texts[:2], n=2) == [alone[0], alone[0], alone[1], alone[1]]
+    response = httpx.post(f"{router_url}/v1/completions",
+                          json={"model": MODEL, "prompt": texts, "max_tokens": 6, **GREEDY})
+    assert response.headers["x-megaserve-route-reason"] == "n"  # several choices: the batched tier
+    assert response.json()["usage"] == {  # each prompt's tokens once, as vLLM counts them
+        "prompt_tokens": sum(len(tokenizer.encode(text)) for text in texts),
+        "completion_tokens": 3 * 6, "total_tokens": sum(len(tokenizer.encode(text)) for text in texts) + 18}
+
+
+def test_a_streamed_batch_tells_its_choices_apart_by_index(router_url):
+    texts = ["The quick brown fox", "Once upon a time"]
+    request = {"model": MODEL, "prompt": texts, "max_tokens": 6, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{router_url}/v1/completions", json=request) as response:
+        chunks = sse_payloads(response)[:-1]
+    streamed = ["", ""]
+    for chunk in chunks:
+        streamed[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert streamed == [_completion_texts(router_url, text)[0] for text in texts]
+
+
+@pytest.mark.parametrize(("prompt", "fields", "param", "message"), [
+    ([[1], []], {}, "prompt", "prompt 1 of the batch is empty"),
+    ([[1, 2], [3, -1]], {}, "prompt", "prompt 1 of the batch: token ids must be >= 0"),
+    ([], {}, "prompt", "the prompt is empty"),
+    ([[1, 2], [1, 10**6]], {}, "prompt.1", "token id 1000000 is outside the vocabulary"),
+    (["hi"] * 3, {"n": 3}, "prompt", "n is 3 for each of 3 prompts, 9 choices in all; this server returns at most 8"),
+    ([[5], [5] * 2048], {}, "prompt.1", "prompt 1 of the batch has 2048 tokens but the model's context is 2048"),
+    ([[5] * 2000, [5]], {"max_tokens": 100}, "max_tokens",
+     "but prompt 0 of the batch (2000 tokens) leaves room for 48"),
+])
+def test_a_batch_s_bad_prompt_is_named_by_its_index(router_url, prompt, fields, param, message):
+    response = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "prompt": prompt, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
 def test_completions_default_to_16_tokens_and_chat_to_the_room_left(serve_router, engines):
     url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()}, max_context=SHORT_CONTEXT)
     completion = httpx.post(f"{url}/v1/completions",

@@ -45,6 +45,15 @@ def test_completion_and_models(client):
     assert [model.id for model in client.models.list()] == [MODEL]
 
 
+def test_a_batch_of_prompts(client):
+    completion = client.completions.create(model=MODEL, prompt=["Once upon a time", "The quick brown fox"],
+                                           max_tokens=3, n=2, temperature=0, extra_body={"ignore_eos": True})
+    assert [choice.index for choice in completion.choices] == [0, 1, 2, 3]
+    texts = [choice.text for choice in completion.choices]
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: a prompt's two choices agree
+    assert completion.usage.completion_tokens == 4 * 3
+
+
 def test_sdk_exceptions_for_refusals(client):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
