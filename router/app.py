@@ -38,6 +38,7 @@ from megaserve.router.errors import GENERATION_ERRORS, INVALID_REQUEST, SERVER_E
 from megaserve.router.generation import Delta, Generation
 from megaserve.router.openai_schema import (
     ChatCompletionRequest,
+    MAX_CHOICES,
     CompletionRequest,
     UNSUPPORTED_PARAMETER,
     GenerationRequest,
@@ -46,7 +47,7 @@ from megaserve.router.openai_schema import (
 )
 from megaserve.router.policy import TIER_HEADER, Admission, Lease, RouterPosition, choose_tier, single_router
 from megaserve.router.responses import ResponseBuilder, served_tier
-from megaserve.router.settings import ANY_ORIGIN, MAX_CHOICES, RouterSettings, capped_by_model, sampling_defaults
+from megaserve.router.settings import ANY_ORIGIN, RouterSettings, capped_by_model, sampling_defaults
 from megaserve.router.streaming import ClientDisconnected, EventStreamResponse, disconnect_aware, unless_disconnected
 from megaserve.router.tokenizer import ChatTemplateError, Tokenizer
 
@@ -167,8 +168,11 @@ class _Router:
         for index, prompt in enumerate(prompts):
             where, param = _prompt_name(index, len(prompts), chat=False)
             ids = next(encoded) if isinstance(prompt, str) else list(prompt)
-            if not ids:  # "" where the tokenizer adds no BOS: nothing for a model to go on from
-                raise invalid(f"{where} is empty: it has no tokens, and this model's tokenizer adds none", param)
+            if not ids:  # [], or "" where the tokenizer adds no BOS: nothing for a model to go on from
+                raise invalid(f"{where} is empty" + ("" if isinstance(prompt, list) else
+                                                     ": it has no tokens, and this model's tokenizer adds none"), param)
+            if min(ids) < 0:
+                raise invalid(f"{where}: token ids must be >= 0", param)
             self._check_token_ids(ids, param)
             prompts_ids.append(ids)
         return await self._generate(request, body, prompts_ids, arrival, chat=False)
@@ -330,16 +334,18 @@ class _Router:
         prompt p's i-th, as in vLLM and OpenAI."""
         n_per_prompt = body.n or 1
         n = n_per_prompt * len(prompts)
+        choices_param = "n" if n_per_prompt > 1 else "prompt"  # what the client has to change
         if n > MAX_CHOICES:
             batch = f" for each of {len(prompts)} prompts, {n} choices in all" if len(prompts) > 1 else ""
             raise invalid(f"n is {n_per_prompt}{batch}; this server returns at most {MAX_CHOICES} choices",
-                          "n" if len(prompts) == 1 else "prompt")
+                          choices_param)
         sampling = self._sampling(body, prompts)
         longest = max(map(len, prompts))
         route = choose_tier(self.settings, body.service_tier, request.headers.get(TIER_HEADER), longest, n)
         receive = disconnect_aware(request.receive, self.disconnect_errors)
         try:
-            lease = await unless_disconnected(receive, self.admission.admit(route, n), discard=Lease.release)
+            lease = await unless_disconnected(receive, self.admission.admit(route, n, choices_param),
+                                              discard=Lease.release)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -3,16 +3,16 @@
 Each of the request's `n` choices (of each prompt, for a completion batch) is one
 `GenerateRequest` to the tier's backend. Its token ids are detokenized incrementally; stop strings
 are matched on the text (the output ends before the stop string, finish_reason "stop") and the
-replica stream is then closed, so the replica stops decoding. A stop token id that ends a choice counts as a completion token but adds no text, as in
-vLLM and SGLang by default. A choice that its replica aborts fails the whole request: with the
-replica's error (`GenerationFailed`), or without one, when the engine was shut down, as
-`EngineDeadError`; no answer says "abort". Leaving `events()` early (client gone, error) closes
-every replica stream at once.
+replica stream is then closed, so the replica stops decoding. A stop token id that ends a choice
+counts as a completion token but adds no text, as in vLLM and SGLang by default. A choice that its
+replica aborts fails the whole request: with the replica's error (`GenerationFailed`), or without
+one, when the engine was shut down, as `EngineDeadError`; no answer says "abort". Leaving
+`events()` early (client gone, error) closes every replica stream at once.
 
 Metrics: time to first token (arrival to the first token of any choice), inter-token latency
 (per token after a choice's first, the wall time since the choice's previous output, spread over
 the output's tokens: what a client sees, stalls included, such as a batch's admissions), request
-duration, prompt tokens (once per request), generated tokens (as they arrive), and one
+duration, prompt tokens (each prompt's once), generated tokens (as they arrive), and one
 finished-request count per choice: by its OpenAI finish_reason, "cancelled" when the client left
 first, "error" when the replica failed.
 """

@@ -189,9 +189,10 @@ class Admission:
         self.slots[tier].resize(router_share(healthy_slots, routers, rank))
         return healthy > 0
 
-    async def admit(self, route: Route, slots: int) -> Lease:
+    async def admit(self, route: Route, slots: int, choices_param: str = "n") -> Lease:
         """A lease on `route.tier`, on the other tier if that one alone is deployed, on throughput
-        after spillover, or an APIError (429/503)."""
+        after spillover, or an APIError (429/503; 400 naming `choices_param` for more choices than
+        the tier ever runs at once)."""
         if not self.deployed(route.tier):
             route = Route(OTHER_TIER[route.tier], "only_tier")
         if route.tier is Tier.LATENCY:
@@ -200,13 +201,13 @@ class Admission:
                 return self._routed(route, slots)
             if not (self.settings.spillover and self.deployed(Tier.THROUGHPUT) and await self.healthy(Tier.THROUGHPUT)):
                 # nowhere to spill over to: the latency tier's own answer (429 when it is only busy)
-                raise self._refusal(Tier.LATENCY, slots, unavailable=not healthy)
+                raise self._refusal(Tier.LATENCY, slots, choices_param, unavailable=not healthy)
             route = Route(Tier.THROUGHPUT, "spillover")
         elif not await self.healthy(Tier.THROUGHPUT):
-            raise self._refusal(Tier.THROUGHPUT, slots, unavailable=True)
+            raise self._refusal(Tier.THROUGHPUT, slots, choices_param, unavailable=True)
         if await self._take(Tier.THROUGHPUT, slots):
             return self._routed(route, slots)
-        raise self._refusal(Tier.THROUGHPUT, slots, unavailable=False)
+        raise self._refusal(Tier.THROUGHPUT, slots, choices_param, unavailable=False)
 
     async def _take(self, tier: Tier, slots: int) -> bool:
         if self.slots[tier].take_now(slots):
@@ -222,12 +223,12 @@ class Admission:
         ROUTED_REQUESTS.labels(tier=route.tier.value, model=self.settings.model_name, reason=route.reason).inc()
         return Lease(self.slots[route.tier], slots, route)
 
-    def _refusal(self, tier: Tier, slots: int, *, unavailable: bool) -> APIError:
+    def _refusal(self, tier: Tier, slots: int, choices_param: str, *, unavailable: bool) -> APIError:
         _, routers = self.position()
         capacity = router_share(self._full[tier][0], routers, 0)  # the most any router ever runs
         if not unavailable and slots > capacity:  # waiting, or another router, would never help
             return invalid(f"the request asks for {slots} choices (n, for each prompt of a batch) but the "
-                           f"{tier.value} tier runs at most {capacity} at once; ask for fewer", "n")
+                           f"{tier.value} tier runs at most {capacity} at once; ask for fewer", choices_param)
         state = "has no healthy replica" if unavailable else "is at capacity"
         return busy(f"the {tier.value} tier {state}; retry later",
                     self.settings.retry_after_seconds, unavailable=unavailable)

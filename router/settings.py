@@ -31,7 +31,6 @@ DEFAULT_BODY_TIMEOUT_SECONDS = 60.0
 # A throughput request finds a slot at once or gets 429: its replicas queue in their own engine
 # (max_ongoing_requests), so a wait at the router would only add latency.
 THROUGHPUT_WAIT_SECONDS = 0.0
-MAX_CHOICES = 8  # largest `n` (choices per request) accepted; each choice takes one slot
 ANY_ORIGIN = "*"  # as the one entry of cors_allowed_origins: a browser page of any origin may call
 
 

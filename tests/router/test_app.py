@@ -270,11 +270,16 @@ def test_a_streamed_batch_tells_its_choices_apart_by_index(router_url):
 
 
 @pytest.mark.parametrize(("prompt", "fields", "param", "message"), [
-    ([[1], []], {}, "prompt", "prompt 1 of the batch is empty"),
-    ([[1, 2], [3, -1]], {}, "prompt", "prompt 1 of the batch: token ids must be >= 0"),
+    ([[1], []], {}, "prompt.1", "prompt 1 of the batch is empty"),
+    ([[1, 2], [3, -1]], {}, "prompt.1", "prompt 1 of the batch: token ids must be >= 0"),
+    ([[]], {}, "prompt", "the prompt is empty"),  # a batch of one is the prompt
     ([], {}, "prompt", "the prompt is empty"),
     ([[1, 2], [1, 10**6]], {}, "prompt.1", "token id 1000000 is outside the vocabulary"),
-    (["hi"] * 3, {"n": 3}, "prompt", "n is 3 for each of 3 prompts, 9 choices in all; this server returns at most 8"),
+    (["hi"] * 3, {"n": 3}, "n", "n is 3 for each of 3 prompts, 9 choices in all; this server returns at most 8"),
+    ([[1]] * 9, {}, "prompt", "a batch of 9 prompts; this server returns at most 8 choices"),  # before its prompts
+    ([[1]] * 5, {}, "prompt", "the request asks for 5 choices (n, for each prompt of a batch) but the "
+                              "throughput tier runs at most 4 at once"),  # no n to lower: the batch is it
+    ([[1]] * 2, {"n": 3}, "n", "the request asks for 6 choices"),
     ([[5], [5] * 2048], {}, "prompt.1", "prompt 1 of the batch has 2048 tokens but the model's context is 2048"),
     ([[5] * 2000, [5]], {"max_tokens": 100}, "max_tokens",
      "but prompt 0 of the batch (2000 tokens) leaves room for 48"),
