@@ -37,13 +37,18 @@ from megaserve.router.backend import Backend
 from megaserve.router.errors import GENERATION_ERRORS, INVALID_REQUEST, SERVER_ERROR, APIError, generation_error, invalid
 from megaserve.router.generation import Delta, Generation
 from megaserve.router.openai_schema import (
-    ChatCompletionRequest,
     MAX_CHOICES,
-    CompletionRequest,
     UNSUPPORTED_PARAMETER,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizedText,
+    DetokenizeRequest,
     GenerationRequest,
     ModelCard,
     ModelList,
+    Tokens,
+    TokenizeRequest,
 )
 from megaserve.router.policy import TIER_HEADER, Admission, Lease, RouterPosition, choose_tier, single_router
 from megaserve.router.responses import ResponseBuilder, served_tier
@@ -74,6 +79,7 @@ LARGE_REQUEST_CHARS = 64 * 1024
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RequestBody = TypeVar("RequestBody", GenerationRequest, TokenizeRequest, DetokenizeRequest)
 
 
 def create_app(
@@ -104,6 +110,8 @@ def create_app(
     app.add_api_route("/v1/completions", router.completions, methods=["POST"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", router.model, methods=["GET"])
+    app.add_api_route("/tokenize", router.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", router.detokenize, methods=["POST"])
     app.add_api_route("/health", router.health, methods=["GET"])
     if settings.cors_allowed_origins:
         # A browser page of a listed origin may call the API with its own API key (no cookies:
@@ -139,21 +147,25 @@ class _Router:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         body = await self._read(request, ChatCompletionRequest)
-        messages = [m.template_message() for m in body.messages]
-        characters = sum(len(message["content"]) for message in messages)
-        try:
-            prompt_ids = await self._tokenize(characters, self.tokenizer.encode_chat, messages)
-        except ChatTemplateError as error:
-            raise invalid(str(error), "messages") from None
+        prompt_ids = await self._encode_chat(body.messages, add_generation_prompt=True)
         return await self._generate(request, body, [prompt_ids], arrival, chat=True)
 
-    async def _tokenize(self, characters: int, tokenize: Callable[..., list[int]], *args) -> list[int]:
-        """tokenize(*args) in a worker thread (a long prompt must not stall every other stream of this
-        router), on the large requests' own thread where the prompt has more than LARGE_REQUEST_CHARS
-        characters."""
+    async def _encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """The prompt ids of `messages` through the model's chat template."""
+        rendered = [message.template_message() for message in messages]
+        characters = sum(len(message["content"]) for message in rendered)
+        try:
+            return await self._tokenizer_call(characters, self.tokenizer.encode_chat, rendered, add_generation_prompt)
+        except ChatTemplateError as error:
+            raise invalid(str(error), "messages") from None
+
+    async def _tokenizer_call(self, characters: int, work: Callable[..., T], *args) -> T:
+        """work(*args), the tokenizer's, in a worker thread (a long prompt must not stall every other
+        stream of this router), on the large requests' own thread where the text has more than
+        LARGE_REQUEST_CHARS characters (or ids)."""
         if characters > LARGE_REQUEST_CHARS:
-            return await self._on_large_requests_thread(tokenize, *args)
-        return await asyncio.to_thread(tokenize, *args)
+            return await self._on_large_requests_thread(work, *args)
+        return await asyncio.to_thread(work, *args)
 
     async def _on_large_requests_thread(self, work: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._large_requests, work, *args)
@@ -163,7 +175,8 @@ class _Router:
         body = await self._read(request, CompletionRequest)
         prompts = body.prompts
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
-        encoded = iter(await self._tokenize(sum(map(len, texts)), self._encode_all, texts) if texts else [])
+        encoded = iter(await self._tokenizer_call(sum(map(len, texts)), self._encode_all, texts)
+                       if texts else [])
         prompts_ids = []
         for index, prompt in enumerate(prompts):
             where, param = _prompt_name(index, len(prompts), chat=False)
@@ -179,6 +192,26 @@ class _Router:
 
     def _encode_all(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenizer.encode(text) for text in texts]
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the ids the generation endpoints would read, and the model's context."""
+        body = await self._read(request, TokenizeRequest)
+        if body.messages is not None:
+            ids = await self._encode_chat(body.messages, body.add_generation_prompt)
+        else:
+            add_special_tokens = body.add_special_tokens is not False
+            ids = await self._tokenizer_call(len(body.prompt), self.tokenizer.encode, body.prompt,
+                                             add_special_tokens)
+        token_strs = self.tokenizer.token_strings(ids) if body.return_token_strs else None
+        return _json(Tokens(count=len(ids), max_model_len=self.settings.max_context, tokens=ids,
+                            token_strs=token_strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids, special tokens written out (tokenize's inverse)."""
+        body = await self._read(request, DetokenizeRequest)
+        self._check_token_ids(body.tokens, "tokens")
+        text = await self._tokenizer_call(len(body.tokens), self.tokenizer.decode, body.tokens, False)
+        return _json(DetokenizedText(prompt=text))
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -229,7 +262,7 @@ class _Router:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
                            reason="unauthorized")
 
-    async def _read(self, request: Request, schema: type[GenerationRequest]) -> GenerationRequest:
+    async def _read(self, request: Request, schema: type[RequestBody]) -> RequestBody:
         self._authorize(request)
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):

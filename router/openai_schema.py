@@ -36,6 +36,8 @@ MAX_TEMPERATURE = 2.0  # OpenAI's bound
 # A chat's messages are turned into the template's input on the event loop, where every stream of
 # the router waits: 4,096 take ~3 ms, 100,000 (a 4 MB body of empty ones) took 0.16 s.
 MAX_MESSAGES = 4096
+# /detokenize's ids: a 4 MiB body holds ~2M of them; a model's context is far fewer
+MAX_DETOKENIZE_TOKENS = 1 << 20
 MAX_CHOICES = 8  # choices per request (`n`, times a completion batch's prompts); each takes one slot
 UNSUPPORTED_PARAMETER = "unsupported_parameter"  # error type and OpenAI error code; ctx["name"]: the field
 
@@ -301,6 +303,54 @@ class CompletionRequest(GenerationRequest):
         return [self.prompt]
 
 
+class _ServedModelRequest(_RefusesUnsupported):
+    """A request of vLLM's and SGLang's tokenizer endpoints: it may name the served model."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields are named in the log, as for generation
+    model: str | None = None
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class TokenizeRequest(_ServedModelRequest):
+    """vLLM's POST /tokenize: a prompt as /v1/completions reads it, or messages as chat does."""
+
+    # what would change the count and is not implemented: refused, not ignored
+    unsupported_neutral: ClassVar[dict[str, Any]] = {
+        key: _CHAT_UNSUPPORTED_NEUTRAL[key] for key in ("chat_template", "chat_template_kwargs", "documents")
+    } | {"tools": (None, []), "continue_final_message": (None, False)}
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None  # a prompt's BOS (default true); messages' template writes its own
+    add_generation_prompt: bool = True  # messages: open the assistant's turn, as chat completions do
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give one of `prompt` and `messages`")
+        if self.messages is not None and self.add_special_tokens:
+            raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server except "
+                                      "as false with messages", {"name": "add_special_tokens"})
+        return self
+
+
+class DetokenizeRequest(_ServedModelRequest):
+    """vLLM's POST /detokenize: token ids back to text, special tokens written out."""
+
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative(cls, tokens: list[int]) -> list[int]:
+        if tokens and min(tokens) < 0:
+            raise ValueError("token ids must be >= 0")
+        return tokens
+
+
 # --- responses ---------------------------------------------------------------------------------
 
 
@@ -384,3 +434,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class Tokens(BaseModel):
+    """/tokenize's answer, vLLM's shape."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizedText(BaseModel):
+    prompt: str

@@ -205,6 +205,10 @@ class Tokenizer:
                 ids.append(whole_ids[stretch[1]])  # the template's special token that ends it
         return ids
 
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's entry in the vocabulary, as the tokenizer spells it (Ġ for a byte-level space)."""
+        return [self._backend.id_to_token(token_id) for token_id in token_ids]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

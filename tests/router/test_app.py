@@ -291,6 +291,50 @@ def test_a_batch_s_bad_prompt_is_named_by_its_index(router_url, prompt, fields, 
     assert error["param"] == param and message in error["message"]
 
 
+def test_tokenize_gives_the_ids_the_generation_endpoints_read(router_url, tokenizer):
+    text = "The quick brown fox"
+    by_prompt = httpx.post(f"{router_url}/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert by_prompt["tokens"] == tokenizer.encode(text) and by_prompt["count"] == len(by_prompt["tokens"])
+    assert by_prompt["max_model_len"] == 2048 and by_prompt["token_strs"] is None
+    completion = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1})
+    assert completion.json()["usage"]["prompt_tokens"] == by_prompt["count"]
+    chat = httpx.post(f"{router_url}/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 1})
+    by_messages = httpx.post(f"{router_url}/tokenize", json={"messages": HELLO}).json()
+    assert by_messages["count"] == chat.json()["usage"]["prompt_tokens"]
+    assert by_messages["tokens"] == tokenizer.encode_chat(HELLO)
+    unopened = httpx.post(f"{router_url}/tokenize", json={"messages": HELLO, "add_generation_prompt": False}).json()
+    assert unopened["tokens"] == tokenizer.encode_chat(HELLO, add_generation_prompt=False) != by_messages["tokens"]
+    bare = httpx.post(f"{router_url}/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                       "return_token_strs": True}).json()
+    assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False) != by_prompt["tokens"]
+    assert "".join(bare["token_strs"]).replace("\u0120", " ") == text  # byte-level BPE spells a space Ġ
+
+
+def test_detokenize_inverts_tokenize_special_tokens_and_all(router_url, tokenizer):
+    text = "The quick brown fox"
+    ids = httpx.post(f"{router_url}/tokenize", json={"prompt": text}).json()["tokens"]
+    detokenized = httpx.post(f"{router_url}/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert detokenized == {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+    assert detokenized["prompt"].endswith(text) and detokenized["prompt"] != text  # the BOS, written out
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "message"), [
+    ("/tokenize", {}, 400, None, "give one of `prompt` and `messages`"),
+    ("/tokenize", {"prompt": "hi", "messages": HELLO}, 400, None, "give one of `prompt` and `messages`"),
+    ("/tokenize", {"messages": HELLO, "add_special_tokens": True}, 400, "add_special_tokens", "except as false"),
+    ("/tokenize", {"messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools", "is not supported"),
+    ("/tokenize", {"model": "gpt-4o", "prompt": "hi"}, 404, "model", "does not exist"),
+    ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens", "token id 1000000 is outside the vocabulary"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "token ids must be >= 0"),
+    ("/detokenize", {"tokens": "hi"}, 400, "tokens", "Input should be a valid array"),
+])
+def test_the_tokenizer_endpoints_refuse_what_they_cannot_answer(router_url, path, body, status, param, message):
+    response = httpx.post(router_url + path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
 def test_completions_default_to_16_tokens_and_chat_to_the_room_left(serve_router, engines):
     url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()}, max_context=SHORT_CONTEXT)
     completion = httpx.post(f"{url}/v1/completions",
@@ -360,7 +404,8 @@ def test_api_keys_guard_everything_but_health(serve_router, engines):
     url = serve_router({tier: EngineBackend(e) for tier, e in engines.items()}, api_keys=("k1", "k2"))
     chat = {"model": MODEL, "messages": HELLO, "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k1"}):
-        for method, path, body in (("POST", "/v1/chat/completions", chat), ("GET", "/v1/models", None)):
+        for method, path, body in (("POST", "/v1/chat/completions", chat), ("GET", "/v1/models", None),
+                                   ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]})):
             response = httpx.request(method, url + path, json=body, headers=headers)
             assert response.status_code == 401
             assert response.json()["error"]["code"] == "invalid_api_key"
