@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP ingress: `create_app(settings, backends)` -> a FastAPI app.
 
-POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /health.
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{model}], GET /health, and vLLM's
+POST /tokenize and POST /detokenize.
 Per request: authenticate, read and validate the body, apply the chat template and tokenize once,
 choose and admit a tier (`policy`), stream the replica's tokens back as text (`generation`),
 as server-sent events in OpenAI's chunk format or as one JSON body. The tier used is echoed in
@@ -37,6 +38,7 @@ from megaserve.router.backend import Backend
 from megaserve.router.errors import GENERATION_ERRORS, INVALID_REQUEST, SERVER_ERROR, APIError, generation_error, invalid
 from megaserve.router.generation import Delta, Generation
 from megaserve.router.openai_schema import (
+    INVALID_FIELD,
     MAX_CHOICES,
     UNSUPPORTED_PARAMETER,
     ChatCompletionRequest,
@@ -47,6 +49,7 @@ from megaserve.router.openai_schema import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    ModelRequest,
     Tokens,
     TokenizeRequest,
 )
@@ -79,7 +82,7 @@ LARGE_REQUEST_CHARS = 64 * 1024
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RequestBody = TypeVar("RequestBody", GenerationRequest, TokenizeRequest, DetokenizeRequest)
+RequestBody = TypeVar("RequestBody", bound=ModelRequest)
 
 
 def create_app(
@@ -153,17 +156,17 @@ class _Router:
     async def _encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         """The prompt ids of `messages` through the model's chat template."""
         rendered = [message.template_message() for message in messages]
-        characters = sum(len(message["content"]) for message in rendered)
+        size = sum(len(message["content"]) for message in rendered)
         try:
-            return await self._tokenizer_call(characters, self.tokenizer.encode_chat, rendered, add_generation_prompt)
+            return await self._tokenizer_call(size, self.tokenizer.encode_chat, rendered, add_generation_prompt)
         except ChatTemplateError as error:
             raise invalid(str(error), "messages") from None
 
-    async def _tokenizer_call(self, characters: int, work: Callable[..., T], *args) -> T:
+    async def _tokenizer_call(self, size: int, work: Callable[..., T], *args) -> T:
         """work(*args), the tokenizer's, in a worker thread (a long prompt must not stall every other
-        stream of this router), on the large requests' own thread where the text has more than
-        LARGE_REQUEST_CHARS characters (or ids)."""
-        if characters > LARGE_REQUEST_CHARS:
+        stream of this router), on the large requests' own thread where its input, of `size`
+        characters or ids, has more than LARGE_REQUEST_CHARS."""
+        if size > LARGE_REQUEST_CHARS:
             return await self._on_large_requests_thread(work, *args)
         return await asyncio.to_thread(work, *args)
 
@@ -202,7 +205,8 @@ class _Router:
             add_special_tokens = body.add_special_tokens is not False
             ids = await self._tokenizer_call(len(body.prompt), self.tokenizer.encode, body.prompt,
                                              add_special_tokens)
-        token_strs = self.tokenizer.token_strings(ids) if body.return_token_strs else None
+        token_strs = (await self._tokenizer_call(len(ids), self.tokenizer.token_strings, ids)
+                      if body.return_token_strs else None)
         return _json(Tokens(count=len(ids), max_model_len=self.settings.max_context, tokens=ids,
                             token_strs=token_strs))
 
@@ -472,6 +476,8 @@ def _validation_error(error: ValidationError) -> APIError:
     path = [str(part) for part in deepest["loc"] if not _is_union_tag(part)]
     if deepest["type"] == UNSUPPORTED_PARAMETER:  # the field's own name ends its path: messages.1.tool_calls
         return invalid(deepest["msg"], ".".join([*path, deepest["ctx"]["name"]]), UNSUPPORTED_PARAMETER)
+    if deepest["type"] == INVALID_FIELD:  # a field wrong given the others: named as the last
+        return invalid(deepest["msg"], ".".join([*path, deepest["ctx"]["name"]]))
     if not path:
         return invalid(f"the body must be a JSON object: {deepest['msg']}")
     param = ".".join(path)

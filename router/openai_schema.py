@@ -1,4 +1,5 @@
-"""The OpenAI wire format of /v1/chat/completions, /v1/completions and /v1/models.
+"""The OpenAI wire format of /v1/chat/completions, /v1/completions and /v1/models, and vLLM's of
+/tokenize and /detokenize.
 
 Requests are validated strictly (a string where a number belongs is an error, not a guess); fields
 OpenAI defines that megaserve does not implement, and vLLM's and SGLang's extensions it does not
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -36,10 +37,12 @@ MAX_TEMPERATURE = 2.0  # OpenAI's bound
 # A chat's messages are turned into the template's input on the event loop, where every stream of
 # the router waits: 4,096 take ~3 ms, 100,000 (a 4 MB body of empty ones) took 0.16 s.
 MAX_MESSAGES = 4096
-# /detokenize's ids: a 4 MiB body holds ~2M of them; a model's context is far fewer
-MAX_DETOKENIZE_TOKENS = 1 << 20
 MAX_CHOICES = 8  # choices per request (`n`, times a completion batch's prompts); each takes one slot
 UNSUPPORTED_PARAMETER = "unsupported_parameter"  # error type and OpenAI error code; ctx["name"]: the field
+# the error type of a field that is wrong given the others; ctx["name"]: the field, which ends the path
+INVALID_FIELD = "invalid_field"
+
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class _Request(BaseModel):
@@ -73,10 +76,15 @@ class _RefusesUnsupported(_Request):
     # vLLM's and SGLang's switches megaserve implements one way only, the endpoint's: null means that way too.
     implemented_only_as: ClassVar[dict[str, Any]] = {}
 
+    @classmethod
+    def _refuses_in(cls, data: dict) -> bool:
+        """Whether the refusals apply to the request `data` (always, unless a subclass says)."""
+        return True
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
+        if isinstance(data, dict) and cls._refuses_in(data):
             for name, neutral in cls.unsupported_neutral.items():
                 if name in data and not _is_one_of(data[name], neutral):
                     raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server",
@@ -183,21 +191,36 @@ _CHAT_UNSUPPORTED_NEUTRAL: dict[str, Any] = _UNSUPPORTED_NEUTRAL | {
 }
 
 
-class GenerationRequest(_RefusesUnsupported):
-    """The sampling fields both endpoints share."""
+class ModelRequest(_RefusesUnsupported):
+    """A request body of the router's: it may name the served model, and its unknown top-level
+    fields are served without, and named in the log."""
 
     # Unknown top-level fields are kept, so that `ignored_fields` can name them (merged with
     # _Request's configuration).
     model_config = ConfigDict(extra="allow")
-    unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL
+    # fields known to change nothing in the answer: served without, and not logged as unknown
+    no_effect_fields: ClassVar[frozenset[str]] = frozenset()
     model: str | None = None  # left out or empty: the served model, as vLLM and SGLang take it
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The top-level fields nobody defines, which the request is served without."""
+        known = self.unsupported_neutral.keys() | self.implemented_only_as.keys() | self.no_effect_fields
+        return sorted(name for name in self.model_extra or {} if name not in known)
+
+
+class GenerationRequest(ModelRequest):
+    """The sampling fields both endpoints share."""
+
+    unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL
+    no_effect_fields: ClassVar[frozenset[str]] = _OPENAI_NO_EFFECT_FIELDS
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: disabled (vLLM's convention)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     n: int | None = Field(default=None, ge=1)
     stream: bool | None = False
@@ -224,13 +247,6 @@ class GenerationRequest(_RefusesUnsupported):
             raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got {longest}")
         return stop
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _non_negative_ids(cls, ids: list[int] | None) -> list[int] | None:
-        if ids and min(ids) < 0:
-            raise ValueError("token ids must be >= 0")
-        return ids
-
     @property
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -249,12 +265,6 @@ class GenerationRequest(_RefusesUnsupported):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
-
-    @property
-    def ignored_fields(self) -> list[str]:
-        """The top-level fields nobody defines, which the request is served without."""
-        known = self.unsupported_neutral.keys() | self.implemented_only_as.keys() | _OPENAI_NO_EFFECT_FIELDS
-        return sorted(name for name in self.model_extra or {} if name not in known)
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -303,21 +313,11 @@ class CompletionRequest(GenerationRequest):
         return [self.prompt]
 
 
-class _ServedModelRequest(_RefusesUnsupported):
-    """A request of vLLM's and SGLang's tokenizer endpoints: it may name the served model."""
-
-    model_config = ConfigDict(extra="allow")  # unknown fields are named in the log, as for generation
-    model: str | None = None
-
-    @property
-    def ignored_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
-
-
-class TokenizeRequest(_ServedModelRequest):
+class TokenizeRequest(ModelRequest):
     """vLLM's POST /tokenize: a prompt as /v1/completions reads it, or messages as chat does."""
 
-    # what would change the count and is not implemented: refused, not ignored
+    # What would change a chat's count and is not implemented: refused with messages, not ignored.
+    # A prompt is read without a template, so vLLM's prompt form has none of these fields.
     unsupported_neutral: ClassVar[dict[str, Any]] = {
         key: _CHAT_UNSUPPORTED_NEUTRAL[key] for key in ("chat_template", "chat_template_kwargs", "documents")
     } | {"tools": (None, []), "continue_final_message": (None, False)}
@@ -326,29 +326,29 @@ class TokenizeRequest(_ServedModelRequest):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None  # a prompt's BOS (default true); messages' template writes its own
     add_generation_prompt: bool = True  # messages: open the assistant's turn, as chat completions do
-    return_token_strs: bool = False
+    return_token_strs: bool | None = False
+
+    @classmethod
+    def _refuses_in(cls, data: dict) -> bool:
+        return data.get("messages") is not None
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give one of `prompt` and `messages`")
+        if self.prompt is None and self.messages is None:
+            raise PydanticCustomError(INVALID_FIELD, "give `prompt` (a text) or `messages` (a chat)", {"name": "prompt"})
+        if self.prompt is not None and self.messages is not None:
+            raise PydanticCustomError(INVALID_FIELD, "give `prompt` or `messages`, not both", {"name": "messages"})
         if self.messages is not None and self.add_special_tokens:
             raise PydanticCustomError(UNSUPPORTED_PARAMETER, "`{name}` is not supported by this server except "
                                       "as false with messages", {"name": "add_special_tokens"})
         return self
 
 
-class DetokenizeRequest(_ServedModelRequest):
-    """vLLM's POST /detokenize: token ids back to text, special tokens written out."""
+class DetokenizeRequest(ModelRequest):
+    """vLLM's POST /detokenize: token ids back to text, special tokens written out. The body's size
+    limit bounds the ids' count."""
 
-    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
-
-    @field_validator("tokens")
-    @classmethod
-    def _non_negative(cls, tokens: list[int]) -> list[int]:
-        if tokens and min(tokens) < 0:
-            raise ValueError("token ids must be >= 0")
-        return tokens
+    tokens: list[TokenId]
 
 
 # --- responses ---------------------------------------------------------------------------------

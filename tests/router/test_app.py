@@ -319,13 +319,13 @@ def test_detokenize_inverts_tokenize_special_tokens_and_all(router_url, tokenize
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "message"), [
-    ("/tokenize", {}, 400, None, "give one of `prompt` and `messages`"),
-    ("/tokenize", {"prompt": "hi", "messages": HELLO}, 400, None, "give one of `prompt` and `messages`"),
+    ("/tokenize", {}, 400, "prompt", "give `prompt` (a text) or `messages` (a chat)"),
+    ("/tokenize", {"prompt": "hi", "messages": HELLO}, 400, "messages", "give `prompt` or `messages`, not both"),
     ("/tokenize", {"messages": HELLO, "add_special_tokens": True}, 400, "add_special_tokens", "except as false"),
     ("/tokenize", {"messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools", "is not supported"),
     ("/tokenize", {"model": "gpt-4o", "prompt": "hi"}, 404, "model", "does not exist"),
     ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens", "token id 1000000 is outside the vocabulary"),
-    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "token ids must be >= 0"),
+    ("/detokenize", {"tokens": [5, -1]}, 400, "tokens.1", "tokens.1: Input should be greater than or equal to 0"),
     ("/detokenize", {"tokens": "hi"}, 400, "tokens", "Input should be a valid array"),
 ])
 def test_the_tokenizer_endpoints_refuse_what_they_cannot_answer(router_url, path, body, status, param, message):
@@ -333,6 +333,14 @@ def test_the_tokenizer_endpoints_refuse_what_they_cannot_answer(router_url, path
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+def test_a_prompt_s_count_ignores_chat_template_fields_as_vllm_s_prompt_form_has_none(router_url):
+    plain = httpx.post(f"{router_url}/tokenize", json={"prompt": "hi"}).json()
+    with_chat_fields = httpx.post(f"{router_url}/tokenize", json={
+        "prompt": "hi", "tools": [{"type": "function"}], "chat_template": "{{ 1 }}", "return_token_strs": None})
+    assert with_chat_fields.status_code == 200, with_chat_fields.text
+    assert with_chat_fields.json() == plain and plain["token_strs"] is None
 
 
 def test_completions_default_to_16_tokens_and_chat_to_the_room_left(serve_router, engines):

@@ -54,7 +54,7 @@ BAD_REQUESTS = {
                                                            "prompt.1"),
     "token id outside the vocabulary": (COMPLETIONS, completion(prompt=[1, 2, 10**6]), 400, "prompt"),
     "negative prompt token id": (COMPLETIONS, completion(prompt=[1, -2]), 400, "prompt"),
-    "negative stop token id": (COMPLETIONS, completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    "negative stop token id": (COMPLETIONS, completion(stop_token_ids=[3, -1]), 400, "stop_token_ids.1"),
     "unknown service_tier": (CHAT, chat(service_tier="turbo"), 400, "service_tier"),
     "stream as a string": (CHAT, chat(stream="yes"), 400, "stream"),
     "temperature too high": (CHAT, chat(temperature=3), 400, "temperature"),
@@ -174,6 +174,16 @@ def test_unknown_fields_are_ignored_and_named_in_the_log_but_openai_s_no_effect_
     assert response.status_code == 200, response.text
     [line] = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
     assert line.endswith("fields it does not know: 'frobnicate', 'max_token'"), line
+
+
+def test_the_tokenizer_endpoints_log_only_the_fields_nobody_defines(router_url, caplog):
+    with caplog.at_level(logging.WARNING, logger="megaserve.router.app"):
+        response = httpx.post(f"{router_url}/tokenize", json={
+            "messages": HI, "tools": None, "continue_final_message": False, "chat_template_kwargs": {},
+            "return_token_strs": None, "frobnicate": 1})
+    assert response.status_code == 200, response.text
+    [line] = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert line.endswith("/tokenize: served without fields it does not know: 'frobnicate'"), line
 
 
 def test_the_log_of_unknown_fields_is_bounded_however_many_a_client_sends(router_url, caplog):
