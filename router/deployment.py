@@ -39,6 +39,9 @@ from megaserve.router.policy import single_router
 from megaserve.router.settings import RouterSettings
 
 HEALTH_CACHE_SECONDS = 2.0  # serve.status() asks the controller: once per interval, not per request
+# A count of none is renewed this much sooner: a tier that has just come up (or back) is served,
+# and /health says so, within this of its replicas' start, not up to HEALTH_CACHE_SECONDS later.
+HEALTH_ZERO_RECHECK_SECONDS = 0.25
 # How long a caller that the cached count would refuse (no healthy replica) waits for the read
 # that renews it; the controller may be slow or restarting.
 HEALTH_READ_WAIT_SECONDS = 2.0
@@ -124,8 +127,10 @@ class ServeBackend:
         """The count of at most HEALTH_CACHE_SECONDS ago, renewed by one read at a time. A caller
         that the cached count would refuse (0), or that finds no count (never read, or a replica
         died since), waits up to HEALTH_READ_WAIT_SECONDS for that read: a tier that has just come
-        up serves the burst that finds it. Others go on with the cached count meanwhile."""
-        if time.monotonic() - self._checked_at > HEALTH_CACHE_SECONDS and not self._read_in_flight():
+        up serves the burst that finds it. Others go on with the cached count meanwhile. A count of
+        none is at most HEALTH_ZERO_RECHECK_SECONDS old."""
+        interval = HEALTH_CACHE_SECONDS if self._healthy else HEALTH_ZERO_RECHECK_SECONDS
+        if time.monotonic() - self._checked_at > interval and not self._read_in_flight():
             self._reading = asyncio.ensure_future(self._read_healthy(self._deaths))
         if (self._healthy == 0 or self._checked_at == float("-inf")) and self._read_in_flight():
             with contextlib.suppress(asyncio.TimeoutError):  # a caller that leaves: the read goes on

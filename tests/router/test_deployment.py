@@ -26,7 +26,12 @@ from ray.serve.handle import DeploymentResponseGenerator, _DeploymentResponseBas
 from megaserve.replicas.models.demo import ensure_demo_model
 from megaserve.replicas.protocol import EngineDeadError, EngineError, FinishReason, GenerateRequest, StepOutput
 from megaserve.router import deployment
-from megaserve.router.deployment import HEALTH_CACHE_SECONDS, RouterDeployment, ServeBackend
+from megaserve.router.deployment import (
+    HEALTH_CACHE_SECONDS,
+    HEALTH_ZERO_RECHECK_SECONDS,
+    RouterDeployment,
+    ServeBackend,
+)
 from megaserve.router.errors import APIError, GenerationFailed
 from megaserve.router.settings import RouterSettings
 
@@ -150,6 +155,26 @@ def test_callers_that_the_old_count_would_refuse_all_wait_for_one_read_of_it(mon
 
     assert asyncio.run(burst()) == [3] * 8
     assert len(reads) == 1
+
+
+def test_a_count_of_none_is_renewed_sooner_than_a_healthy_one(monkeypatch):
+    """/health agrees within HEALTH_ZERO_RECHECK_SECONDS once a tier comes up; a healthy count is
+    read once per HEALTH_CACHE_SECONDS."""
+    counts = iter([0, 2, 0])
+    monkeypatch.setattr(deployment.serve, "status", lambda: running(next(counts))())
+    backend = ServeBackend(Handle(FailingResponse(RuntimeError())), retry_after_seconds=1)
+
+    async def across_the_recheck() -> list[int]:
+        seen = [await backend.healthy_replicas()]  # the first read: none yet
+        seen.append(await backend.healthy_replicas())  # within the recheck: the cached none
+        await asyncio.sleep(HEALTH_ZERO_RECHECK_SECONDS * 1.5)
+        seen.append(await backend.healthy_replicas())  # past it: read again, and up
+        await asyncio.sleep(HEALTH_ZERO_RECHECK_SECONDS * 1.5)
+        seen.append(await backend.healthy_replicas())  # a healthy count stays for HEALTH_CACHE_SECONDS
+        return seen
+
+    assert asyncio.run(across_the_recheck()) == [0, 0, 2, 2]
+    assert HEALTH_ZERO_RECHECK_SECONDS * 3 < HEALTH_CACHE_SECONDS
 
 
 class BlockedStatus:
