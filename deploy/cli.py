@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate from one prompt and stream the tokens")
     gen.add_argument("prompt", nargs="?", default="Hello!", help="the user message (chat template "
-                     "applied) or, with --raw, the literal prompt")
+                     "applied) or, with --raw, the literal prompt (default: %(default)s)")
     where = gen.add_mutually_exclusive_group()
     where.add_argument("--url", help=f"a running server, its root or its OpenAI base URL (root/v1) (default "
                        f"{DEFAULT_URL} unless --model)")

@@ -134,7 +134,7 @@ def run_against_server(args: argparse.Namespace, url: str, env: Environment) -> 
         print(f"megaserve generate: cannot reach {url}: {error.reason}", file=sys.stderr)
     except BrokenPipeError:  # our own stdout's reader left, not the server: the command line's to end
         raise
-    except (ValueError, http.client.HTTPException, OSError) as error:  # a bad URL, an answer cut short or not JSON
+    except (ValueError, http.client.HTTPException, OSError) as error:  # a bad URL, an answer cut short
         print(f"megaserve generate: {url}: {type(error).__name__}: {error}", file=sys.stderr)
     except ServerAnswerError as error:
         print(f"megaserve generate: {url}: {error}", file=sys.stderr)
@@ -238,13 +238,22 @@ def _summary_line(summary: dict) -> str:
 def _stream_chunk(data: str) -> dict:
     """One event of a chat or text completion stream: an object with a list of choice objects (an
     `error` event may have none)."""
-    chunk = json.loads(data)
+    chunk = _json_answer(data, "an event of the stream")
     if isinstance(chunk, dict) and "error" in chunk:
         return chunk
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
     if not isinstance(choices, list) or not all(isinstance(choice, dict) for choice in choices):
         raise ServerAnswerError(f"an event of the stream is not a completion chunk: {data[:200]}")
     return chunk
+
+
+def _json_answer(text: str, what: str) -> object:
+    """`text` read as JSON; where it is not (a proxy's HTML page, a server of another API), an
+    error that says which answer it was and shows its start."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ServerAnswerError(f"{what} is not JSON: {text[:200]!r}") from None
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -257,7 +266,7 @@ def _headers(api_key: str | None) -> dict[str, str]:
 def _served_model(url: str, api_key: str | None) -> str:
     request = urllib.request.Request(url + "/v1/models", headers=_headers(api_key))
     with urllib.request.urlopen(request) as response:
-        models = json.load(response)
+        models = _json_answer(response.read().decode(errors="replace"), "GET /v1/models's answer")
     try:
         return models["data"][0]["id"]
     except (KeyError, IndexError, TypeError):

@@ -162,6 +162,7 @@ def test_every_flag_says_what_it_does(command):
 def test_the_help_shows_the_defaults_and_that_temperature_0_is_greedy(capsys):
     generate = _help(capsys, "generate")
     assert "tokens to generate at most (default: 64)" in generate
+    assert "with --raw, the literal prompt (default: Hello!)" in generate
     assert "sampling temperature (default: 0, which is greedy;" in generate
     assert "(default: 1, off)" in generate and "(default: 0, off)" in generate  # --top-p, --top-k
     assert "seconds to wait for every replica to become healthy (default: 600)" in _help(capsys, "up")
