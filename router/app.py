@@ -401,6 +401,8 @@ class _Router:
             tokenizer=self.tokenizer,
             stops=body.stop_sequences,
             arrival=arrival,
+            include_stop_text=body.include_stop_text,
+            skip_special_tokens=body.skip_special_tokens is not False,
         )
         answer = ResponseBuilder(request_id, self.settings.model_name, served_tier(body, lease), chat, generation)
         headers = {TIER_HEADER: lease.tier.value, ROUTE_REASON_HEADER: lease.route.reason}

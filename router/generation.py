@@ -4,7 +4,10 @@ Each of the request's `n` choices (of each prompt, for a completion batch) is on
 `GenerateRequest` to the tier's backend. Its token ids are detokenized incrementally; stop strings
 are matched on the text (the output ends before the stop string, finish_reason "stop") and the
 replica stream is then closed, so the replica stops decoding. A stop token id that ends a choice
-counts as a completion token but adds no text, as in vLLM and SGLang by default. A choice that its
+counts as a completion token but adds no text, as in vLLM and SGLang by default. With
+`include_stop_text` (vLLM's include_stop_str_in_output, SGLang's no_stop_trim) the text ends with
+the stop string, or with the stop id's text; with `skip_special_tokens` off, special tokens are
+written out in the text, as vLLM and SGLang do. A choice that its
 replica aborts fails the whole request: with the replica's error (`GenerationFailed`), or without
 one, when the engine was shut down, as `EngineDeadError`; no answer says "abort". Leaving
 `events()` early (client gone, error) closes every replica stream at once.
@@ -62,15 +65,17 @@ class Delta:
 
 class StopMatcher:
     """Finds the first stop string in a choice's text as it grows: the one that ends first (of two
-    ending on the same character, the longer), however the text is split into pieces.
+    ending on the same character, the longer), however the text is split into pieces; the text is
+    released up to that stop string, or through it with `include_stop`.
 
     Text that could still turn out to be the start of a stop string is held back, so nothing past
     a stop string is ever sent. Each stop string keeps how much of it the text so far ends with (a
     Knuth-Morris-Pratt automaton), so each character costs the same whatever is held back.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self.stops = tuple(stops)
+        self.include_stop = include_stop  # release the stop string that was found with the text before it
         self._fallbacks = [_kmp_fallbacks(stop) for stop in self.stops]
         self._matched = [0] * len(self.stops)  # per stop: the longest end of the text that begins it
         self.pending = ""  # text received but not released
@@ -84,7 +89,8 @@ class StopMatcher:
         for offset, char in enumerate(text):
             ends_here = [len(stop) for i, stop in enumerate(self.stops) if self._advance(i, char)]
             if ends_here:
-                released, self.pending = self.pending[: start + offset + 1 - max(ends_here)], ""
+                end = start + offset + 1
+                released, self.pending = self.pending[: end if self.include_stop else end - max(ends_here)], ""
                 return released, True
         cut = len(self.pending) - max(self._matched)
         released, self.pending = self.pending[:cut], self.pending[cut:]
@@ -133,6 +139,8 @@ class Generation:
     stops: tuple[str, ...]
     arrival: float  # time.perf_counter() when the request reached the router
     choices_per_prompt: int = 1  # `n`: the requests are each prompt's choices in turn
+    include_stop_text: bool = False  # the stop string, or the stop id's text, ends the text
+    skip_special_tokens: bool = True  # special tokens add no text
     completion_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -165,8 +173,9 @@ class Generation:
             raise
 
     async def _choice_deltas(self, index: int, request: GenerateRequest) -> AsyncGenerator[Delta, None]:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        matcher = StopMatcher(self.stops)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                             skip_special_tokens=self.skip_special_tokens)
+        matcher = StopMatcher(self.stops, include_stop=self.include_stop_text)
         first = True
         final: Delta | None = None
         async with closing(self.backend.stream(request)) as stream:
@@ -176,7 +185,7 @@ class Generation:
                 last = len(output.token_ids) - 1
                 for position, token in enumerate(output.token_ids):
                     used += 1
-                    if position == last and output.finish_reason is FinishReason.STOP:
+                    if position == last and output.finish_reason is FinishReason.STOP and not self.include_stop_text:
                         # the token that ended the choice, an end-of-sequence or stop id (engines
                         # stream it last): counted, but no text, as in vLLM, even where it is no
                         # special token that the detokenizer would skip

@@ -10,7 +10,8 @@ names, as vLLM does, so that a typo such as `max_token` shows; OpenAI's fields t
 in the output (`store`, `metadata`, ...) are ignored unlogged; a chat message's unknown fields are
 ignored too, but an assistant message's tool calls are refused as `tools` is. A request that names
 no model gets the served one, as in vLLM and SGLang. Extensions, as in vLLM: `top_k`,
-`stop_token_ids`, `ignore_eos`, `stream_options.continuous_usage_stats`. Responses
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `include_stop_str_in_output` (SGLang's
+`no_stop_trim`), `stream_options.continuous_usage_stats`. Responses
 also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute (streams: on the
 usage chunk).
 """
@@ -146,8 +147,6 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "repetition_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
@@ -169,7 +168,6 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "stop_regex": (None, []),
     "ebnf": (None,),
     "json_schema": (None,),
-    "no_stop_trim": (None, False),
     "lora_path": (None,),
 }
 
@@ -222,6 +220,11 @@ class GenerationRequest(ModelRequest):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    # vLLM's and SGLang's text controls (null: the default): special tokens written out in the text,
+    # and the stop string (or stop id's text) kept at its end; no_stop_trim is SGLang's name.
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    no_stop_trim: bool | None = None
     n: int | None = Field(default=None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -265,6 +268,10 @@ class GenerationRequest(ModelRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def include_stop_text(self) -> bool:
+        return bool(self.include_stop_str_in_output or self.no_stop_trim)
 
 
 class ChatCompletionRequest(GenerationRequest):

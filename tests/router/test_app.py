@@ -179,6 +179,25 @@ def test_stop_string_spanning_tokens_truncates_the_text_and_frees_the_replica(ro
         wait_until(lambda: running_requests(engines[Tier.LATENCY]) == 0)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("include", [{"include_stop_str_in_output": True}, {"no_stop_trim": True}],
+                         ids=["vllm", "sglang"])
+def test_the_stop_string_or_stop_id_ends_the_text_when_asked_to_be_kept(router_url, tokenizer, include, stream):
+    request = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 40, **GREEDY, **include,
+               "stream": stream}
+    [ox] = tokenizer.encode("ox", add_special_tokens=False)  # the demo model's greedy tokens: "ox", "ox", ...
+    for stops, kept in (({"stop": ["xo"]}, "oxo"), ({"stop_token_ids": [ox]}, "ox")):
+        with httpx.stream("POST", f"{router_url}/v1/completions", json={**request, **stops}) as response:
+            if stream:
+                payloads = sse_payloads(response)[:-1]
+                text = "".join(p["choices"][0]["text"] for p in payloads)
+                finish = payloads[-1]["choices"][0]["finish_reason"]
+            else:
+                response.read()
+                text, finish = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
+        assert (text, finish) == (kept, "stop"), stops
+
+
 def test_n_choices_each_arrive_with_their_own_index(router_url):
     request = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "n": 3, "seed": 7, "ignore_eos": True}
     response = httpx.post(f"{router_url}/v1/chat/completions", json=request)

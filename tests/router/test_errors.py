@@ -103,7 +103,8 @@ BAD_REQUESTS = {
     "SGLang's stop_regex": (CHAT, chat(stop_regex=["[0-9]{3}"]), 400, "stop_regex"),
     "SGLang's ebnf": (COMPLETIONS, completion(ebnf='root ::= "a"'), 400, "ebnf"),
     "SGLang's json_schema": (CHAT, chat(json_schema="{}"), 400, "json_schema"),
-    "SGLang's no_stop_trim": (COMPLETIONS, completion(no_stop_trim=True), 400, "no_stop_trim"),
+    "SGLang's no_stop_trim as a string": (COMPLETIONS, completion(no_stop_trim="yes"), 400, "no_stop_trim"),
+    "vLLM's skip_special_tokens as a number": (CHAT, chat(skip_special_tokens=0), 400, "skip_special_tokens"),
     "SGLang's lora_path": (CHAT, chat(lora_path="adapter"), 400, "lora_path"),
     "stream_options without stream": (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
 }

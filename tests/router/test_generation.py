@@ -78,6 +78,16 @@ def test_overlapping_starts_are_matched_character_by_character(stops, text, expe
         assert stopped and "".join(released) == expected
 
 
+@pytest.mark.parametrize(("stops", "pieces", "expected"), [
+    (["END"], ["hello E", "N", "D and more"], "hello END"),  # split over pieces; nothing after it
+    (["world", "lo w"], ["hel", "lo world"], "hello w"),  # the one that ends first
+    (["ab", "xab"], ["xab"], "xab"),  # both end on the same character
+])
+def test_with_include_stop_the_text_ends_with_the_stop_string_found(stops, pieces, expected):
+    released, stopped = feed(StopMatcher(stops, include_stop=True), pieces)
+    assert stopped and "".join(released) == expected
+
+
 def test_a_stop_at_the_very_start_releases_nothing():
     released, stopped = feed(StopMatcher(["\n"]), ["\nrest"])
     assert stopped and released == [""]
@@ -170,6 +180,31 @@ def test_a_stop_id_that_ends_a_choice_is_counted_but_adds_no_text(tokenizer, sto
     assert "".join(d.text for d in deltas) == tokenizer.decode(token_ids[:-1])
     assert tokenizer.decode(token_ids[:-1]) != tokenizer.decode(token_ids)  # the stop id has text
     assert deltas[-1].finish_reason == "stop" and generation.completion_tokens == len(token_ids)
+
+
+@pytest.mark.parametrize("backend", [StopIdBackend, partial(OneOutputBackend, finish=FinishReason.STOP)],
+                         ids=["stop id alone first", "one output"])
+def test_with_include_stop_text_the_stop_id_that_ends_a_choice_adds_its_text(tokenizer, backend):
+    """vLLM's include_stop_str_in_output and SGLang's no_stop_trim."""
+    token_ids = tokenizer.encode("ab cd ef", add_special_tokens=False)
+    request = GenerateRequest("r", (1, 2, 3), SamplingParams(stop_token_ids=(token_ids[-1],)))
+    generation = Generation(backend(token_ids), [request], Tier.LATENCY, "m", tokenizer, (),
+                            arrival=time.perf_counter(), include_stop_text=True)
+    deltas = asyncio.run(_collect(generation.events()))
+    assert "".join(d.text for d in deltas) == tokenizer.decode(token_ids) != tokenizer.decode(token_ids[:-1])
+    assert deltas[-1].finish_reason == "stop" and generation.completion_tokens == len(token_ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_are_written_out_only_when_not_skipped(tokenizer, skip):
+    special = min(tokenizer.special_ids)
+    token_ids = [*tokenizer.encode("ab", add_special_tokens=False), special,
+                 *tokenizer.encode(" cd", add_special_tokens=False)]
+    generation = Generation(OneOutputBackend(token_ids), [GenerateRequest("r", (1, 2, 3))], Tier.LATENCY, "m",
+                            tokenizer, (), arrival=time.perf_counter(), skip_special_tokens=skip)
+    text = "".join(d.text for d in asyncio.run(_collect(generation.events())))
+    assert text == tokenizer.decode(token_ids, skip_special_tokens=skip)
+    assert (tokenizer.decode([special], skip_special_tokens=False) in text) != skip
 
 
 @pytest.mark.parametrize("backend", [StopIdBackend, partial(OneOutputBackend, finish=FinishReason.STOP)],
