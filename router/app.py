@@ -404,7 +404,8 @@ class _Router:
             include_stop_text=body.include_stop_text,
             skip_special_tokens=body.skip_special_tokens is not False,
         )
-        answer = ResponseBuilder(request_id, self.settings.model_name, served_tier(body, lease), chat, generation)
+        answer = ResponseBuilder(request_id, self.settings.model_name, served_tier(body, lease), chat, generation,
+                                 token_ids=bool(body.return_token_ids))
         headers = {TIER_HEADER: lease.tier.value, ROUTE_REASON_HEADER: lease.route.reason}
         events = generation.events()
         try:

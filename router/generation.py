@@ -56,11 +56,14 @@ STOP_TABLES_CACHED = 256
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of one choice; `finish_reason` is set on the choice's last delta only."""
+    """New text of one choice; `finish_reason` is set on the choice's last delta only. `token_ids`:
+    the generated ids counted since the choice's previous delta (text held back as a stop string's
+    possible start comes later than its ids); all of a choice's deltas' ids are its usage."""
 
     index: int
     text: str
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class StopMatcher:
@@ -178,6 +181,7 @@ class Generation:
         matcher = StopMatcher(self.stops, include_stop=self.include_stop_text)
         first = True
         final: Delta | None = None
+        unsent_ids: list[int] = []  # counted, not yet on a delta
         async with closing(self.backend.stream(request)) as stream:
             async for output in stream:
                 # Token by token, so that a stop string ends the count at the token that completes it.
@@ -198,19 +202,21 @@ class Generation:
                     text, stopped = matcher.push(detokenizer.finish())
                     released += text
                 self._count(index, output, used, first)
+                unsent_ids += output.token_ids[:used]
                 first = first and not output.token_ids
                 if stopped:
-                    final = self._finish(index, released, FinishReason.STOP.value)
+                    final = self._finish(index, released, FinishReason.STOP.value, unsent_ids)
                     break
                 if output.finish_reason is FinishReason.ABORT:  # the router closes, never sees, what it cancels
                     if output.error:
                         raise GenerationFailed(output.error)
                     raise EngineDeadError(STOPPED_BEFORE_THE_END)
                 if output.finish_reason is not None:
-                    final = self._finish(index, released + matcher.flush(), output.finish_reason.value)
+                    final = self._finish(index, released + matcher.flush(), output.finish_reason.value, unsent_ids)
                     break
                 if released:
-                    yield Delta(index, released)
+                    yield Delta(index, released, token_ids=tuple(unsent_ids))
+                    unsent_ids = []
         if final is None:
             raise GenerationFailed("the replica stream ended without a finish reason")
         yield final  # after the replica stream is closed: a stop string frees the replica first
@@ -239,9 +245,9 @@ class Generation:
         self.completion_tokens += tokens
         GENERATION_TOKENS.labels(**labels).inc(tokens)
 
-    def _finish(self, index: int, text: str, finish_reason: str) -> Delta:
+    def _finish(self, index: int, text: str, finish_reason: str, token_ids: list[int]) -> Delta:
         self.finish_reasons[index] = finish_reason
-        return Delta(index, text, finish_reason)
+        return Delta(index, text, finish_reason, tuple(token_ids))
 
     def _record_end(self) -> None:
         self.finished_at = time.perf_counter()

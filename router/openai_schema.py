@@ -11,7 +11,7 @@ in the output (`store`, `metadata`, ...) are ignored unlogged; a chat message's 
 ignored too, but an assistant message's tool calls are refused as `tools` is. A request that names
 no model gets the served one, as in vLLM and SGLang. Extensions, as in vLLM: `top_k`,
 `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `include_stop_str_in_output` (SGLang's
-`no_stop_trim`), `stream_options.continuous_usage_stats`. Responses
+`no_stop_trim`), `return_token_ids`, `stream_options.continuous_usage_stats`. Responses
 also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute (streams: on the
 usage chunk).
 """
@@ -22,7 +22,16 @@ import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from megaserve.replicas.protocol import SEED_MAX, SEED_MIN
@@ -161,7 +170,6 @@ _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "structured_outputs": (None,),  # vLLM >= 0.10.2: replaces the guided_* fields
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "mm_processor_kwargs": (None, {}),
     # SGLang's extensions, likewise
     "regex": (None,),
@@ -225,6 +233,8 @@ class GenerationRequest(ModelRequest):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     no_stop_trim: bool | None = None
+    # vLLM's: the prompt's ids and each choice's generated ids beside the text
+    return_token_ids: bool | None = None
     n: int | None = Field(default=None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -375,7 +385,20 @@ class Timing(BaseModel):
     total_seconds: float  # arrival to the last token
 
 
-class _Response(BaseModel):
+class _TokenIdsWhenAsked(BaseModel):
+    """A response part with vLLM's return_token_ids fields, which are left out of its JSON where
+    they are None: a request that did not ask for them sees no trace of them."""
+
+    @model_serializer(mode="wrap")
+    def _without_unasked_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in ("prompt_token_ids", "token_ids"):
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
+class _Response(_TokenIdsWhenAsked):
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
@@ -388,11 +411,12 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TokenIdsWhenAsked):
     index: int
     message: ChatMessageOut
     logprobs: None = None
     finish_reason: OpenAIFinishReason
+    token_ids: list[int] | None = None  # return_token_ids: the choice's generated ids
 
 
 class ChatCompletion(_Response):
@@ -400,13 +424,15 @@ class ChatCompletion(_Response):
     choices: list[ChatChoice]
     usage: Usage
     timing: Timing
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_TokenIdsWhenAsked):
     index: int
     delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, then {}
     logprobs: None = None
     finish_reason: OpenAIFinishReason | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the ids of this delta
 
 
 class ChatCompletionChunk(_Response):
@@ -414,13 +440,18 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     timing: Timing | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIdsWhenAsked):
     index: int
     text: str
     logprobs: None = None
     finish_reason: OpenAIFinishReason | None = None
+    # return_token_ids: the choice's prompt ids (streams: on its first chunk), its generated ids
+    # (streams: this delta's)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(_Response):

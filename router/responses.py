@@ -3,7 +3,9 @@
 Streams follow OpenAI's order: for chat a first chunk per choice with `{"role": "assistant"}`,
 then one chunk per text delta (the last of a choice carries its finish_reason), then, if
 `stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`. With
-vLLM's `continuous_usage_stats` as well, every chunk carries the usage so far.
+vLLM's `continuous_usage_stats` as well, every chunk carries the usage so far. With vLLM's
+`return_token_ids`, the prompt's ids come with the answer (streams: its first chunk; completions:
+each choice's, on each choice's first chunk) and each choice, or delta, has its generated ids.
 A failure after the first chunk arrives as an `{"error": ...}` event (the status is already sent),
 then `[DONE]`.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import NamedTuple
 
 from megaserve.replicas.protocol import Tier
@@ -57,11 +59,21 @@ class _ChunkUsage(NamedTuple):
 class ResponseBuilder:
     """Turns a generation's deltas into OpenAI responses and chunks."""
 
-    def __init__(self, request_id: str, model: str, service_tier: str, chat: bool, generation: Generation) -> None:
+    def __init__(self, request_id: str, model: str, service_tier: str, chat: bool, generation: Generation,
+                 token_ids: bool = False) -> None:
         self.common = {"id": request_id, "model": model, "service_tier": service_tier}
         self.created = int(time.time())
         self.chat = chat
         self.generation = generation
+        self.token_ids = token_ids  # vLLM's return_token_ids: prompt and generated ids beside the text
+        self._prompt_ids_sent: set[int] = set()  # choices whose stream has had its prompt's ids
+
+    def _ids(self, token_ids: Sequence[int]) -> list[int] | None:
+        """`token_ids` where the request asked for ids, else None (left out of the JSON)."""
+        return list(token_ids) if self.token_ids else None
+
+    def _prompt_ids(self, index: int) -> Sequence[int]:
+        return self.generation.requests[index].prompt_token_ids
 
     def usage(self) -> Usage:
         g = self.generation
@@ -79,17 +91,21 @@ class ResponseBuilder:
 
     def complete(self, deltas: list[Delta], n: int) -> ChatCompletion | Completion:
         texts = ["" for _ in range(n)]
+        generated: list[list[int]] = [[] for _ in range(n)]
         finish: dict[int, str] = {}  # every choice's last delta has one: events() raises otherwise
         for delta in deltas:
             texts[delta.index] += delta.text
+            generated[delta.index] += delta.token_ids
             if delta.finish_reason is not None:
                 finish[delta.index] = delta.finish_reason
         if self.chat:
-            choices = [ChatChoice(index=i, message=ChatMessageOut(content=texts[i]), finish_reason=finish[i])
-                       for i in range(n)]
+            choices = [ChatChoice(index=i, message=ChatMessageOut(content=texts[i]), finish_reason=finish[i],
+                                  token_ids=self._ids(generated[i])) for i in range(n)]
             return ChatCompletion(**self.common, created=self.created, choices=choices, usage=self.usage(),
-                                  timing=self.timing())
-        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finish[i]) for i in range(n)]
+                                  timing=self.timing(), prompt_token_ids=self._ids(self._prompt_ids(0)))
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finish[i],
+                                    prompt_token_ids=self._ids(self._prompt_ids(i)), token_ids=self._ids(generated[i]))
+                   for i in range(n)]
         return Completion(**self.common, created=self.created, choices=choices, usage=self.usage(),
                           timing=self.timing())
 
@@ -105,7 +121,7 @@ class ResponseBuilder:
             try:
                 if self.chat:
                     yield self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
-                                       for i in range(n)], chunk_usage)
+                                       for i in range(n)], chunk_usage, prompt_token_ids=self._ids(self._prompt_ids(0)))
                 yield self._delta_chunk(first, chunk_usage)
                 async for delta in rest:
                     yield self._delta_chunk(delta, chunk_usage)
@@ -124,9 +140,13 @@ class ResponseBuilder:
     def _delta_chunk(self, delta: Delta, chunk_usage: _ChunkUsage) -> bytes:
         if self.chat:
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-            return self._chunk([ChatChunkChoice(index=delta.index, delta=content,
-                                                finish_reason=delta.finish_reason)], chunk_usage)
-        return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason)],
+            return self._chunk([ChatChunkChoice(index=delta.index, delta=content, finish_reason=delta.finish_reason,
+                                                token_ids=self._ids(delta.token_ids))], chunk_usage)
+        first_of_choice = delta.index not in self._prompt_ids_sent
+        self._prompt_ids_sent.add(delta.index)
+        prompt_ids = self._ids(self._prompt_ids(delta.index)) if first_of_choice else None
+        return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason,
+                                             prompt_token_ids=prompt_ids, token_ids=self._ids(delta.token_ids))],
                            chunk_usage)
 
     def _chunk(self, choices: list, chunk_usage: _ChunkUsage, **extra) -> bytes:

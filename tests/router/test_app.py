@@ -198,6 +198,44 @@ def test_the_stop_string_or_stop_id_ends_the_text_when_asked_to_be_kept(router_u
         assert (text, finish) == (kept, "stop"), stops
 
 
+def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids_as_vllm(router_url, tokenizer):
+    [ox] = tokenizer.encode("ox", add_special_tokens=False)  # the demo model's greedy tokens: "ox", "ox", ...
+    prompts = ["The quick brown fox", "Hello"]
+    request = {"model": MODEL, "prompt": prompts, "max_tokens": 5, **GREEDY, "return_token_ids": True}
+    body = httpx.post(f"{router_url}/v1/completions", json=request).json()
+    for choice, prompt in zip(body["choices"], prompts, strict=True):
+        assert choice["prompt_token_ids"] == tokenizer.encode(prompt)
+        assert len(choice["token_ids"]) == 5 and tokenizer.decode(choice["token_ids"]) == choice["text"]
+    assert sum(len(c["token_ids"]) for c in body["choices"]) == body["usage"]["completion_tokens"]
+    # a stop string: the ids up to the one that completes it, as usage counts them
+    stopped = httpx.post(f"{router_url}/v1/completions", json={**request, "prompt": prompts[0], "stop": ["xo"]}).json()
+    assert stopped["choices"][0]["token_ids"] == [ox, ox] and stopped["usage"]["completion_tokens"] == 2
+    with httpx.stream("POST", f"{router_url}/v1/completions", json={**request, "stream": True}) as response:
+        chunks = [p["choices"][0] for p in sse_payloads(response)[:-1]]
+    for index, prompt in enumerate(prompts):
+        own = [c for c in chunks if c["index"] == index]
+        assert [c.get("prompt_token_ids") is not None for c in own] == [True] + [False] * (len(own) - 1)
+        assert sum((c["token_ids"] for c in own), []) == body["choices"][index]["token_ids"]
+    chat = {"model": MODEL, "messages": HELLO, "max_tokens": 3, **GREEDY, "return_token_ids": True}
+    answer = httpx.post(f"{router_url}/v1/chat/completions", json=chat).json()
+    assert answer["prompt_token_ids"] == tokenizer.encode_chat(HELLO) and len(answer["choices"][0]["token_ids"]) == 3
+    with httpx.stream("POST", f"{router_url}/v1/chat/completions", json={**chat, "stream": True}) as response:
+        payloads = sse_payloads(response)[:-1]
+    assert payloads[0]["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert not any("prompt_token_ids" in p for p in payloads[1:])
+    assert sum((p["choices"][0].get("token_ids") or [] for p in payloads), []) == answer["choices"][0]["token_ids"]
+
+
+def test_without_return_token_ids_no_answer_has_a_trace_of_them(router_url):
+    for path, body in (("/v1/completions", {"prompt": "The quick brown fox"}), ("/v1/chat/completions",
+                                                                             {"messages": HELLO})):
+        request = {"model": MODEL, "max_tokens": 3, **body}
+        answers = [httpx.post(router_url + path, json=request).text]
+        with httpx.stream("POST", router_url + path, json={**request, "stream": True}) as response:
+            answers.append(response.read().decode())
+        assert not any("token_ids" in answer for answer in answers), answers
+
+
 def test_n_choices_each_arrive_with_their_own_index(router_url):
     request = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "n": 3, "seed": 7, "ignore_eos": True}
     response = httpx.post(f"{router_url}/v1/chat/completions", json=request)

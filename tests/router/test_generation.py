@@ -195,6 +195,36 @@ def test_with_include_stop_text_the_stop_id_that_ends_a_choice_adds_its_text(tok
     assert deltas[-1].finish_reason == "stop" and generation.completion_tokens == len(token_ids)
 
 
+class TokenByTokenBackend:
+    """A replica that sends one token per output, then ends the generation for its length."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        for position, token in enumerate(self.token_ids):
+            last = position == len(self.token_ids) - 1
+            yield StepOutput([token], [STEP_SECONDS], FinishReason.LENGTH if last else None)
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("stops", [(), ("c",), ("d e",)])
+def test_a_choice_s_deltas_carry_the_ids_usage_counts_held_back_text_s_with_its_release(tokenizer, stops):
+    token_ids = tokenizer.encode("ab cd ef gh", add_special_tokens=False)
+    # usage counts the tokens up to the one whose text completes the stop string
+    counted = next((k for k in range(1, len(token_ids) + 1)
+                    if any(stop in tokenizer.decode(token_ids[:k]) for stop in stops)), len(token_ids))
+    generation = Generation(TokenByTokenBackend(token_ids), [GenerateRequest("r", (1, 2, 3))], Tier.LATENCY, "m",
+                            tokenizer, stops, arrival=time.perf_counter())
+    deltas = asyncio.run(_collect(generation.events()))
+    assert [token for delta in deltas for token in delta.token_ids] == token_ids[:counted]
+    assert generation.completion_tokens == counted < len(token_ids) or not stops
+    if stops == ("d e",):  # "d" and " " are held back as a possible start: their ids wait with them
+        assert deltas[-1].text == "" and len(deltas[-1].token_ids) > 1
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_special_tokens_are_written_out_only_when_not_skipped(tokenizer, skip):
     special = min(tokenizer.special_ids)
