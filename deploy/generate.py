@@ -253,7 +253,7 @@ def _json_answer(text: str, what: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        raise ServerAnswerError(f"{what} is not JSON: {text[:200]!r}") from None
+        raise ServerAnswerError(f"{what} is not JSON: {text[:200]}") from None
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

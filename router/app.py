@@ -402,10 +402,10 @@ class _Router:
             stops=body.stop_sequences,
             arrival=arrival,
             include_stop_text=body.include_stop_text,
-            skip_special_tokens=body.skip_special_tokens is not False,
+            skip_special_tokens=body.skips_special_tokens,
         )
         answer = ResponseBuilder(request_id, self.settings.model_name, served_tier(body, lease), chat, generation,
-                                 token_ids=bool(body.return_token_ids))
+                                 return_token_ids=body.returns_token_ids)
         headers = {TIER_HEADER: lease.tier.value, ROUTE_REASON_HEADER: lease.route.reason}
         events = generation.events()
         try:
@@ -417,7 +417,7 @@ class _Router:
                 lease = None  # the response releases it when the stream ends
                 return response
             deltas = await unless_disconnected(receive, _collect(events))
-            return _json(answer.complete(deltas, n), headers)
+            return _json(answer.complete(deltas, n), headers, exclude=answer.unasked_fields)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except (APIError, *GENERATION_ERRORS) as error:
@@ -460,8 +460,8 @@ def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=(sampling.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
 
 
-def _json(model: BaseModel, headers: Mapping[str, str] | None = None) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json", headers=headers)
+def _json(model: BaseModel, headers: Mapping[str, str] | None = None, exclude: dict | None = None) -> Response:
+    return Response(model.model_dump_json(exclude=exclude), media_type="application/json", headers=headers)
 
 
 def _names_for_log(names: list[str]) -> str:

@@ -41,6 +41,8 @@ from megaserve.router.settings import RouterSettings
 HEALTH_CACHE_SECONDS = 2.0  # serve.status() asks the controller: once per interval, not per request
 # A count of none is renewed this much sooner: a tier that has just come up (or back) is served,
 # and /health says so, within this of its replicas' start, not up to HEALTH_CACHE_SECONDS later.
+# The cost, while a tier is down and requests come: at most 1 / this controller reads a second per
+# router, each awaited by the requests it finds (refused or spilled over by the count they replace).
 HEALTH_ZERO_RECHECK_SECONDS = 0.25
 # How long a caller that the cached count would refuse (no healthy replica) waits for the read
 # that renews it; the controller may be slow or restarting.

@@ -71,9 +71,10 @@ class StopMatcher:
     ending on the same character, the longer), however the text is split into pieces; the text is
     released up to that stop string, or through it with `include_stop`.
 
-    Text that could still turn out to be the start of a stop string is held back, so nothing past
-    a stop string is ever sent. Each stop string keeps how much of it the text so far ends with (a
-    Knuth-Morris-Pratt automaton), so each character costs the same whatever is held back.
+    Text that could still turn out to be the start of a stop string is held back (but with
+    `include_stop`, where it goes out either way), so nothing past a stop string is ever sent.
+    Each stop string keeps how much of it the text so far ends with (a Knuth-Morris-Pratt
+    automaton), so each character costs the same whatever is held back.
     """
 
     def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
@@ -95,7 +96,8 @@ class StopMatcher:
                 end = start + offset + 1
                 released, self.pending = self.pending[: end if self.include_stop else end - max(ends_here)], ""
                 return released, True
-        cut = len(self.pending) - max(self._matched)
+        # Text that may start a stop string is held back, unless the stop string goes out anyway.
+        cut = len(self.pending) if self.include_stop else len(self.pending) - max(self._matched)
         released, self.pending = self.pending[:cut], self.pending[cut:]
         return released, False
 

@@ -11,7 +11,8 @@ in the output (`store`, `metadata`, ...) are ignored unlogged; a chat message's 
 ignored too, but an assistant message's tool calls are refused as `tools` is. A request that names
 no model gets the served one, as in vLLM and SGLang. Extensions, as in vLLM: `top_k`,
 `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `include_stop_str_in_output` (SGLang's
-`no_stop_trim`), `return_token_ids`, `stream_options.continuous_usage_stats`. Responses
+`no_stop_trim`), `return_token_ids` (the responses' `prompt_token_ids` and `token_ids`, left out of
+the JSON unless asked for), `stream_options.continuous_usage_stats`. Responses
 also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute (streams: on the
 usage chunk).
 """
@@ -22,16 +23,7 @@ import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    ValidationInfo,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from megaserve.replicas.protocol import SEED_MAX, SEED_MIN
@@ -283,6 +275,14 @@ class GenerationRequest(ModelRequest):
     def include_stop_text(self) -> bool:
         return bool(self.include_stop_str_in_output or self.no_stop_trim)
 
+    @property
+    def skips_special_tokens(self) -> bool:
+        return self.skip_special_tokens is not False
+
+    @property
+    def returns_token_ids(self) -> bool:
+        return bool(self.return_token_ids)
+
 
 class ChatCompletionRequest(GenerationRequest):
     unsupported_neutral: ClassVar[dict[str, Any]] = _CHAT_UNSUPPORTED_NEUTRAL
@@ -349,6 +349,13 @@ class TokenizeRequest(ModelRequest):
     def _refuses_in(cls, data: dict) -> bool:
         return data.get("messages") is not None
 
+    @property
+    def ignored_fields(self) -> list[str]:
+        """With a prompt, the chat fields too: a prompt is read without a template."""
+        if self.messages is None:
+            return sorted(self.model_extra or {})
+        return super().ignored_fields
+
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> "TokenizeRequest":
         if self.prompt is None and self.messages is None:
@@ -385,20 +392,7 @@ class Timing(BaseModel):
     total_seconds: float  # arrival to the last token
 
 
-class _TokenIdsWhenAsked(BaseModel):
-    """A response part with vLLM's return_token_ids fields, which are left out of its JSON where
-    they are None: a request that did not ask for them sees no trace of them."""
-
-    @model_serializer(mode="wrap")
-    def _without_unasked_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        for name in ("prompt_token_ids", "token_ids"):
-            if name in data and data[name] is None:
-                del data[name]
-        return data
-
-
-class _Response(_TokenIdsWhenAsked):
+class _Response(BaseModel):
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
@@ -411,7 +405,7 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(_TokenIdsWhenAsked):
+class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: None = None
@@ -427,7 +421,7 @@ class ChatCompletion(_Response):
     prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatChunkChoice(_TokenIdsWhenAsked):
+class ChatChunkChoice(BaseModel):
     index: int
     delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, then {}
     logprobs: None = None
@@ -443,7 +437,7 @@ class ChatCompletionChunk(_Response):
     prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
-class CompletionChoice(_TokenIdsWhenAsked):
+class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: None = None

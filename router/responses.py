@@ -37,6 +37,9 @@ from megaserve.router.policy import Lease
 from megaserve.router.streaming import closing
 
 SSE_DONE = b"data: [DONE]\n\n"
+TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")  # vLLM's return_token_ids fields of a choice
+# model_dump_json's `exclude` of those fields, and of the prompt's at the top, for answers that did not ask
+UNASKED_TOKEN_IDS = {"prompt_token_ids": True, "choices": {"__all__": dict.fromkeys(TOKEN_ID_FIELDS, True)}}
 log = logging.getLogger(__name__)
 SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
 
@@ -60,17 +63,31 @@ class ResponseBuilder:
     """Turns a generation's deltas into OpenAI responses and chunks."""
 
     def __init__(self, request_id: str, model: str, service_tier: str, chat: bool, generation: Generation,
-                 token_ids: bool = False) -> None:
+                 return_token_ids: bool = False) -> None:
         self.common = {"id": request_id, "model": model, "service_tier": service_tier}
         self.created = int(time.time())
         self.chat = chat
         self.generation = generation
-        self.token_ids = token_ids  # vLLM's return_token_ids: prompt and generated ids beside the text
+        self.return_token_ids = return_token_ids  # vLLM's: prompt and generated ids beside the text
+        # what each answer's JSON leaves out: the token-id fields, unless asked for
+        self.unasked_fields: dict = {} if return_token_ids else UNASKED_TOKEN_IDS
         self._prompt_ids_sent: set[int] = set()  # choices whose stream has had its prompt's ids
 
     def _ids(self, token_ids: Sequence[int]) -> list[int] | None:
         """`token_ids` where the request asked for ids, else None (left out of the JSON)."""
-        return list(token_ids) if self.token_ids else None
+        return list(token_ids) if self.return_token_ids else None
+
+    def _token_ids_left_out(self, choices: list, extra: dict) -> dict:
+        """A chunk's `exclude` of the token-id fields: all where not asked for, else those it has
+        none of (the prompt's ids after the first chunk, a role chunk's generated ids)."""
+        if not self.return_token_ids:
+            return dict(UNASKED_TOKEN_IDS)
+        exclude: dict = {} if extra.get("prompt_token_ids") is not None else {"prompt_token_ids": True}
+        per_choice = {i: {name: True for name in TOKEN_ID_FIELDS if getattr(choice, name, None) is None}
+                      for i, choice in enumerate(choices)}
+        if any(per_choice.values()):
+            exclude["choices"] = per_choice
+        return exclude
 
     def _prompt_ids(self, index: int) -> Sequence[int]:
         return self.generation.requests[index].prompt_token_ids
@@ -154,9 +171,11 @@ class ResponseBuilder:
         if chunk_usage.so_far is not None and "usage" not in extra:
             extra["usage"] = chunk_usage.so_far()
         chunk = kind(**self.common, created=self.created, choices=choices, **extra)
-        exclude = {"timing"} - extra.keys()  # the timing extension: on the usage chunk only
+        exclude = self._token_ids_left_out(choices, extra)
+        if "timing" not in extra:  # the timing extension: on the usage chunk only
+            exclude["timing"] = True
         if not chunk_usage.shown:
-            exclude.add("usage")
+            exclude["usage"] = True
         return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
 
 

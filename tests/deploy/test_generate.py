@@ -373,14 +373,14 @@ class BrokenServerHandler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.parametrize(("path", "message", "printed"), [
-    ("html", "GET /v1/models's answer is not JSON: \"<html>a proxy's login page</html>\"", ""),
+    ("html", "GET /v1/models's answer is not JSON: <html>a proxy's login page</html>", ""),
     ("empty", "/v1/models lists no model", ""),
     ("cut", "the stream ended before its [DONE]", "Hel"),  # what came is printed, then the error
     ("error-text", "failed mid-stream: boom", ""),
     ("array", "an event of the stream is not a completion chunk: [1, 2]", ""),
     ("null-choices", 'an event of the stream is not a completion chunk: {"choices": null}', ""),
     ("choice-text", "an event of the stream is not a completion chunk", ""),
-    ("not-json", "an event of the stream is not JSON: '<b>busy</b>'", ""),
+    ("not-json", "an event of the stream is not JSON: <b>busy</b>", ""),
     ("latin-1", "answered 502: <p>Passerelle occup\ufffde</p>", ""),
 ])
 def test_a_server_that_answers_something_else_is_a_one_line_error(path, message, printed):

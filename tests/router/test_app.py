@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -224,6 +225,65 @@ def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids_as_vllm(route
     assert payloads[0]["prompt_token_ids"] == answer["prompt_token_ids"]
     assert not any("prompt_token_ids" in p for p in payloads[1:])
     assert sum((p["choices"][0].get("token_ids") or [] for p in payloads), []) == answer["choices"][0]["token_ids"]
+
+
+class SpecialTokenBackend:
+    """A replica whose every choice is "ab", the BOS, " cd", then a stop id ("!"), in two outputs."""
+
+    def __init__(self, tokenizer) -> None:
+        encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+        [self.bos] = tokenizer.encode("", add_special_tokens=True)
+        [self.stop_id] = encode("!")
+        self.token_ids = [*encode("ab"), self.bos, *encode(" cd"), self.stop_id]
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        yield StepOutput(self.token_ids[:2], [0.001] * 2)
+        yield StepOutput(self.token_ids[2:], [0.001] * (len(self.token_ids) - 2), FinishReason.STOP)
+
+    async def healthy_replicas(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("fields, text", [
+    ({}, "ab cd"),
+    ({"skip_special_tokens": None}, "ab cd"),  # null: the default
+    ({"skip_special_tokens": False}, "ab<|begin_of_text|> cd"),
+    ({"include_stop_str_in_output": True}, "ab cd!"),
+    ({"no_stop_trim": True, "skip_special_tokens": False}, "ab<|begin_of_text|> cd!"),
+])
+def test_special_tokens_and_the_stop_id_s_text_reach_the_answer_only_when_asked(serve_router, tokenizer, path,
+                                                                                 fields, text):
+    backend = SpecialTokenBackend(tokenizer)
+    assert tokenizer.decode([backend.bos], skip_special_tokens=False) == "<|begin_of_text|>"
+    url = serve_router({Tier.LATENCY: backend})
+    prompt = {"messages": HELLO} if "chat" in path else {"prompt": "hi"}
+    for stream in (False, True):
+        request = {"model": MODEL, **prompt, "max_tokens": 8, "stream": stream, **fields}
+        with httpx.stream("POST", url + path, json=request) as response:
+            if stream:
+                choices = [p["choices"][0] for p in sse_payloads(response)[:-1]]
+                got = "".join(c.get("text") or c.get("delta", {}).get("content", "") for c in choices)
+            else:
+                response.read()
+                choice = response.json()["choices"][0]
+                got = choice.get("text", choice.get("message", {}).get("content"))
+        assert got == text, (stream, response)
+
+
+def test_an_answer_s_choices_keep_their_fields_and_gain_the_ids_only_when_asked(router_url):
+    request = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    plain = httpx.post(f"{router_url}/v1/completions", json=request).json()["choices"][0]
+    assert set(plain) == {"index", "text", "logprobs", "finish_reason"} and plain["logprobs"] is None
+    with_ids = httpx.post(f"{router_url}/v1/completions", json={**request, "return_token_ids": True}).json()
+    assert set(with_ids["choices"][0]) == set(plain) | {"prompt_token_ids", "token_ids"}
+    chat = {"model": MODEL, "messages": HELLO, "max_tokens": 2, "n": 2, "stream": True, "return_token_ids": True}
+    with httpx.stream("POST", f"{router_url}/v1/chat/completions", json=chat) as response:
+        payloads = sse_payloads(response)[:-1]
+    assert "prompt_token_ids" in payloads[0] and all("logprobs" in c for p in payloads for c in p["choices"])
+    for index in (0, 1):
+        ids = [t for p in payloads for c in p["choices"] if c["index"] == index for t in c.get("token_ids") or []]
+        assert len(ids) == 2
 
 
 def test_without_return_token_ids_no_answer_has_a_trace_of_them(router_url):

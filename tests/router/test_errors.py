@@ -185,6 +185,12 @@ def test_the_tokenizer_endpoints_log_only_the_fields_nobody_defines(router_url, 
     assert response.status_code == 200, response.text
     [line] = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
     assert line.endswith("/tokenize: served without fields it does not know: 'frobnicate'"), line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megaserve.router.app"):
+        response = httpx.post(f"{router_url}/tokenize", json={"prompt": "hi", "tools": [{"type": "function"}]})
+    assert response.status_code == 200, response.text  # a prompt's count has no template to change
+    [line] = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert line.endswith("fields it does not know: 'tools'"), line
 
 
 def test_the_log_of_unknown_fields_is_bounded_however_many_a_client_sends(router_url, caplog):

@@ -88,6 +88,12 @@ def test_with_include_stop_the_text_ends_with_the_stop_string_found(stops, piece
     assert stopped and "".join(released) == expected
 
 
+def test_with_include_stop_nothing_is_held_back_as_a_possible_start():
+    """It would go out either way: holding it back would only delay it (vLLM holds nothing back either)."""
+    released, stopped = feed(StopMatcher(["END"], include_stop=True), ["hello E", "N", "D and more"])
+    assert stopped and released == ["hello E", "N", "D"]
+
+
 def test_a_stop_at_the_very_start_releases_nothing():
     released, stopped = feed(StopMatcher(["\n"]), ["\nrest"])
     assert stopped and released == [""]
