@@ -158,25 +158,28 @@ def test_an_empty_text_prompt_that_is_no_tokens_is_refused_as_the_prompt_s_fault
     assert "the prompt is empty" in response.json()["error"]["message"]
 
 
+def completion_text_and_finish(url: str, body: dict) -> tuple[str, str]:
+    """A one-choice completion's text and finish_reason, streamed or not as `body` says."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if body.get("stream"):
+            payloads = sse_payloads(response)[:-1]
+            return "".join(p["choices"][0]["text"] for p in payloads), payloads[-1]["choices"][0]["finish_reason"]
+        response.read()
+        choice = response.json()["choices"][0]
+        return choice["text"], choice["finish_reason"]
+
+
 def test_stop_string_spanning_tokens_truncates_the_text_and_frees_the_replica(router_url, engines, tokenizer):
     request = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 40,
                "service_tier": "priority", **GREEDY}
     full = httpx.post(f"{router_url}/v1/completions", json=request).json()["choices"][0]["text"]
     assert full.startswith("oxox")  # the demo model's greedy continuation: tokens "ox", "ox", ...
+    stopped = {**request, "stop": ["never-generated", "xo"]}
+    usage = httpx.post(f"{router_url}/v1/completions", json=stopped).json()["usage"]
+    assert usage["completion_tokens"] == 2  # "ox" "ox": none after the stop
     for stream in (False, True):
-        body = {**request, "stop": ["never-generated", "xo"], "stream": stream}
-        with httpx.stream("POST", f"{router_url}/v1/completions", json=body) as response:
-            if stream:
-                payloads = sse_payloads(response)[:-1]
-                text = "".join(p["choices"][0]["text"] for p in payloads)
-                finish = payloads[-1]["choices"][0]["finish_reason"]
-            else:
-                response.read()
-                choice = response.json()["choices"][0]
-                text, finish = choice["text"], choice["finish_reason"]
-                assert response.json()["usage"]["completion_tokens"] == 2  # "ox" "ox": none after the stop
         # "x" of the first token was held back as a possible start of "xo", and never sent.
-        assert (text, finish) == ("o", "stop")
+        assert completion_text_and_finish(router_url, {**stopped, "stream": stream}) == ("o", "stop")
         wait_until(lambda: running_requests(engines[Tier.LATENCY]) == 0)
 
 
@@ -188,43 +191,7 @@ def test_the_stop_string_or_stop_id_ends_the_text_when_asked_to_be_kept(router_u
                "stream": stream}
     [ox] = tokenizer.encode("ox", add_special_tokens=False)  # the demo model's greedy tokens: "ox", "ox", ...
     for stops, kept in (({"stop": ["xo"]}, "oxo"), ({"stop_token_ids": [ox]}, "ox")):
-        with httpx.stream("POST", f"{router_url}/v1/completions", json={**request, **stops}) as response:
-            if stream:
-                payloads = sse_payloads(response)[:-1]
-                text = "".join(p["choices"][0]["text"] for p in payloads)
-                finish = payloads[-1]["choices"][0]["finish_reason"]
-            else:
-                response.read()
-                text, finish = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
-        assert (text, finish) == (kept, "stop"), stops
-
-
-def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids_as_vllm(router_url, tokenizer):
-    [ox] = tokenizer.encode("ox", add_special_tokens=False)  # the demo model's greedy tokens: "ox", "ox", ...
-    prompts = ["The quick brown fox", "Hello"]
-    request = {"model": MODEL, "prompt": prompts, "max_tokens": 5, **GREEDY, "return_token_ids": True}
-    body = httpx.post(f"{router_url}/v1/completions", json=request).json()
-    for choice, prompt in zip(body["choices"], prompts, strict=True):
-        assert choice["prompt_token_ids"] == tokenizer.encode(prompt)
-        assert len(choice["token_ids"]) == 5 and tokenizer.decode(choice["token_ids"]) == choice["text"]
-    assert sum(len(c["token_ids"]) for c in body["choices"]) == body["usage"]["completion_tokens"]
-    # a stop string: the ids up to the one that completes it, as usage counts them
-    stopped = httpx.post(f"{router_url}/v1/completions", json={**request, "prompt": prompts[0], "stop": ["xo"]}).json()
-    assert stopped["choices"][0]["token_ids"] == [ox, ox] and stopped["usage"]["completion_tokens"] == 2
-    with httpx.stream("POST", f"{router_url}/v1/completions", json={**request, "stream": True}) as response:
-        chunks = [p["choices"][0] for p in sse_payloads(response)[:-1]]
-    for index, prompt in enumerate(prompts):
-        own = [c for c in chunks if c["index"] == index]
-        assert [c.get("prompt_token_ids") is not None for c in own] == [True] + [False] * (len(own) - 1)
-        assert sum((c["token_ids"] for c in own), []) == body["choices"][index]["token_ids"]
-    chat = {"model": MODEL, "messages": HELLO, "max_tokens": 3, **GREEDY, "return_token_ids": True}
-    answer = httpx.post(f"{router_url}/v1/chat/completions", json=chat).json()
-    assert answer["prompt_token_ids"] == tokenizer.encode_chat(HELLO) and len(answer["choices"][0]["token_ids"]) == 3
-    with httpx.stream("POST", f"{router_url}/v1/chat/completions", json={**chat, "stream": True}) as response:
-        payloads = sse_payloads(response)[:-1]
-    assert payloads[0]["prompt_token_ids"] == answer["prompt_token_ids"]
-    assert not any("prompt_token_ids" in p for p in payloads[1:])
-    assert sum((p["choices"][0].get("token_ids") or [] for p in payloads), []) == answer["choices"][0]["token_ids"]
+        assert completion_text_and_finish(router_url, {**request, **stops}) == (kept, "stop"), stops
 
 
 class SpecialTokenBackend:
