@@ -54,6 +54,17 @@ def test_a_batch_of_prompts(client):
     assert completion.usage.completion_tokens == 4 * 3
 
 
+def test_vllm_s_text_and_id_extensions_through_extra_body(client):
+    """As vLLM's users send them: the SDK keeps the answer's extra fields as attributes."""
+    completion = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=4, temperature=0, stop=["xo"],
+        extra_body={"ignore_eos": True, "return_token_ids": True, "include_stop_str_in_output": True})
+    choice = completion.choices[0]
+    assert choice.text == "oxo" and choice.finish_reason == "stop"  # the demo model's greedy "ox", "ox", ...
+    assert len(choice.token_ids) == completion.usage.completion_tokens == 2
+    assert len(choice.prompt_token_ids) == completion.usage.prompt_tokens
+
+
 def test_sdk_exceptions_for_refusals(client):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
