@@ -15,6 +15,8 @@ Yield rule (every `Engine.generate` obeys it):
      last token: the router counts it but shows no text for it, so it must not come earlier.
   4. An item is never empty except the last one, which may carry no tokens.
   5. Each token comes with the duration of the engine step that produced it, in seconds.
+  6. When the request asked for logprobs (`SamplingParams.logprobs` not None), each token comes
+     with its `TokenLogprob`: an item's `logprobs` has one per token id, in order.
 Cancelling the consumer (closing the async generator, or Ray cancelling the call on client
 disconnect) stops the generation at the next step boundary and frees the slot.
 """
@@ -65,6 +67,10 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # A seed is a signed 64-bit integer, as in vLLM's OpenAI server and SGLang's sampling_seed.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
+# The most alternatives a token's logprobs may list (vLLM's default max_logprobs, OpenAI's top_logprobs
+# bound): each costs a top-k over the vocabulary and a token string in every answer.
+MAX_LOGPROBS = 20
+
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS): logits / temperature would
 # overflow float32 (1e-300 is 0 in it), and the draw would then pick among infinities.
 GREEDY_TEMPERATURE = 1e-5
@@ -91,13 +97,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # None: no logprobs. k: each generated token's logprob, and the k most likely tokens at its step.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Types before ranges: a float seed, top_k or max_tokens passes its range check and fails only on
         # the engine's step thread (`seed & MASK32`), which ends every stream on the replica, not just this one.
-        integers = {"max_tokens": self.max_tokens, "top_k": self.top_k, "seed": self.seed}
+        integers = {"max_tokens": self.max_tokens, "top_k": self.top_k, "seed": self.seed, "logprobs": self.logprobs}
         for name, value in integers.items():
-            if not is_integer(value) and not (name == "seed" and value is None):
+            if not is_integer(value) and not (name in ("seed", "logprobs") and value is None):
                 raise EngineError(f"{name} must be an integer, got {value!r}")
         for name, value in {"temperature": self.temperature, "top_p": self.top_p}.items():
             if not is_number(value):
@@ -116,6 +124,8 @@ class SamplingParams:
             raise EngineError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise EngineError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise EngineError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -132,6 +142,16 @@ class GenerateRequest:
     priority: int = 0  # larger is served first where an engine queues (SGLang's convention)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely tokens of its step, as the model gave
+    them: the log-softmax of its logits before temperature, top-k and top-p (vLLM's default, "raw"
+    logprobs), so the same token scores the same whatever the request's sampling."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first; as many as asked
+
+
 @dataclass
 class StepOutput:
     """Tokens produced since the previous item of the same stream (see the yield rule above)."""
@@ -141,6 +161,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0  # set on every item, so a consumer that starts late still knows
     error: str | None = None  # set with finish_reason ABORT when the engine failed
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked (rule 6)
 
 
 @dataclass(frozen=True)

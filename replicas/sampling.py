@@ -16,6 +16,9 @@ A row without a seed takes u from a `torch.Generator`.
 `sample` is also the batch-1 path for engines that produce logits for one sequence (the
 megakernel engine's sampled decoding): `SamplingRows.build([params], vocab_size, device)` once
 per request, then `sample(logits[None], rows, position_tensor)` each step.
+
+`token_logprobs` gives the chosen tokens' logprobs and each row's most likely tokens, from the raw
+logits (before temperature, top-k and top-p: vLLM's default), for the rows whose request asked.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .protocol import SamplingParams
+from .protocol import SamplingParams, TokenLogprob
 
 # 32-bit hashing in int64 tensors: values stay below 2**32 and products below 2**63, so no op
 # relies on integer overflow (torch's right shift is arithmetic, its overflow undefined).
@@ -208,3 +211,22 @@ def sample(
     gumbel = -torch.log(-torch.log(uniform))
     sampled_tokens = (scaled + gumbel).argmax(dim=-1)
     return torch.where(rows.greedy, greedy_tokens, sampled_tokens)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: Sequence[int | None]) -> list[TokenLogprob | None]:
+    """Per row of logits [B, V] and its chosen token (tokens [B], an integer dtype): its logprob and its
+    `tops[row]` most likely tokens, or None where `tops[row]` is None (the request asked for none).
+    One top-k over the rows that asked, and one copy to the host."""
+    asked = [row for row, top in enumerate(tops) if top is not None]
+    if not asked:
+        return [None] * len(tops)
+    rows = torch.tensor(asked, device=logits.device)
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [A, V]
+    chosen = logprobs.gather(-1, tokens[rows].long()[:, None])[:, 0]  # [A]
+    top_values, top_ids = logprobs.topk(max(tops[row] for row in asked), dim=-1)  # [A, K], most likely first
+    chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    out: list[TokenLogprob | None] = [None] * len(tops)
+    for i, row in enumerate(asked):
+        count = tops[row]
+        out[row] = TokenLogprob(chosen[i], tuple(zip(top_ids[i][:count], top_values[i][:count])))
+    return out

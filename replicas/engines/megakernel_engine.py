@@ -12,7 +12,9 @@ A decode step is the replay of a CUDA graph that holds exactly one kernel launch
 memory and writes the next ones back, so the same graph serves every step and the only host
 sync per step is reading the new token id (to stream it and check stops). Greedy requests take
 the kernel's on-GPU argmax; sampled ones run `replicas.sampling.sample` on the kernel's logits
-and write the drawn token into the kernel's input slot.
+and write the drawn token into the kernel's input slot. A request that asks for logprobs gets them
+from the same logits (`replicas.sampling.token_logprobs`: a few PyTorch kernels after the step's
+launch, for that request only).
 
 Requests are validated, queued and streamed as in TorchEngine (`threaded.StepThreadEngine`).
 """
@@ -31,8 +33,8 @@ from megaserve.kernels.shape import KernelShape
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import ModelConfig, load_model
-from ..protocol import CoalescePolicy, Tier, context_limit
-from ..sampling import SamplingRows, sample
+from ..protocol import CoalescePolicy, Tier, TokenLogprob, context_limit
+from ..sampling import SamplingRows, sample, token_logprobs
 from .engine_metrics import EngineMetrics
 from .stream import StreamOutbox
 from .threaded import Admission, StepThreadEngine
@@ -148,33 +150,36 @@ class MegakernelEngine(StepThreadEngine):
         rows = None if params.greedy else SamplingRows.build([params], self.vocab_size, self.device)
         prompt = item.request.prompt_token_ids
         start = time.perf_counter()
-        token = self._prefill(prompt, rows)
+        token, logprob = self._prefill(prompt, rows, params.logprobs)
         seconds = time.perf_counter() - start
         self.metrics.prefill_step(seconds)
-        if self._stream(item, token, seconds):
+        if self._stream(item, token, seconds, logprob):
             return True
         self._begin_decode(token, len(prompt), params.greedy)
         while not item.stream.cancelled:
             if self._queue.closed:
                 return False
             start = time.perf_counter()
-            token = self._decode_step(rows)
+            token, logprob = self._decode_step(rows, params.logprobs)
             seconds = time.perf_counter() - start
             self.metrics.decode_step(seconds)
-            if self._stream(item, token, seconds):
+            if self._stream(item, token, seconds, logprob):
                 return True
         return True
 
-    def _stream(self, item: Admission, token: int, seconds: float) -> bool:
+    def _stream(self, item: Admission, token: int, seconds: float, logprob: TokenLogprob | None) -> bool:
         """Deliver one token to the client at once; True when it ends the generation."""
         outbox = StreamOutbox()
-        done = self._deliver(item, token, seconds, outbox)
+        done = self._deliver(item, token, seconds, outbox, logprob)
         outbox.flush()
         return done
 
     # The GPU work of a request: everything else in this class is control flow.
 
-    def _prefill(self, prompt: tuple[int, ...], rows: SamplingRows | None) -> int:
+    def _prefill(self, prompt: tuple[int, ...], rows: SamplingRows | None,
+                 top: int | None) -> tuple[int, TokenLogprob | None]:
+        """The first token of `prompt`'s continuation, and its logprob with `top` alternatives
+        (None: not asked for)."""
         ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
         positions = torch.arange(len(prompt), device=self.device)[None]
         slots = torch.full((1,), SLOT, dtype=torch.int64, device=self.device)
@@ -182,23 +187,30 @@ class MegakernelEngine(StepThreadEngine):
             ids, positions, self.cache, slots, last_only=True, context_len=len(prompt)
         )  # [1, V]; context_len known on the host: no sync before the token's
         if rows is None:
-            return int(logits[0].argmax())
-        return sample(logits, rows, torch.tensor([len(prompt)], device=self.device), self.generator).item()
+            tokens = logits.argmax(dim=-1)  # [1]
+        else:
+            tokens = sample(logits, rows, torch.tensor([len(prompt)], device=self.device), self.generator)
+        [logprob] = token_logprobs(logits, tokens, [top])
+        return tokens.item(), logprob
 
     def _begin_decode(self, token: int, position: int, greedy: bool) -> None:
         """Make the next decode step feed `token` at `position`, through the graph for `greedy`."""
         self.step.set_position(token, position)
         self._graph = self._graphs[greedy]
 
-    def _decode_step(self, rows: SamplingRows | None) -> int:
-        """One decode step (a graph replay); the token it produced."""
+    def _decode_step(self, rows: SamplingRows | None, top: int | None) -> tuple[int, TokenLogprob | None]:
+        """One decode step (a graph replay); the token it produced, and its logprob with `top`
+        alternatives (None: not asked for)."""
         self._graph.replay()
+        logits = self.step.logits[None]  # [1, V]
         if rows is None:
-            return self.step.next_token.item()  # the step's one sync
-        position = self.step.state[STATE_POS : STATE_POS + 1].long()  # [1]: the drawn token's, on the device
-        drawn = sample(self.step.logits[None], rows, position, self.generator)
-        self.step.token_slot.copy_(drawn[0])
-        return drawn.item()
+            tokens = self.step.next_token.view(1)  # [1] int32, the kernel's argmax: a view, no launch
+        else:
+            position = self.step.state[STATE_POS : STATE_POS + 1].long()  # [1]: the drawn token's, on the device
+            tokens = sample(logits, rows, position, self.generator)
+            self.step.token_slot.copy_(tokens[0])
+        [logprob] = token_logprobs(logits, tokens, [top])
+        return tokens.item(), logprob  # the step's one sync (two with logprobs)
 
     def _release(self, item: Admission) -> None:
         if self._running is item:

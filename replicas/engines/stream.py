@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ..protocol import ENGINE_SHUT_DOWN, CoalescePolicy, EngineDeadError, FinishReason, StepOutput
+from ..protocol import ENGINE_SHUT_DOWN, CoalescePolicy, EngineDeadError, FinishReason, StepOutput, TokenLogprob
 
 Item = TypeVar("Item")
 
@@ -50,6 +50,7 @@ class Chunk:
     step_seconds: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, where the request asked
 
 
 class TokenStream:
@@ -76,33 +77,32 @@ class TokenStream:
 
     async def outputs(self) -> AsyncIterator[StepOutput]:
         """The consumer's side: StepOutputs that follow the yield rule, until the last one."""
-        tokens: list[int] = []
-        seconds: list[float] = []
+        pending = Chunk()  # tokens received and not yet yielded
         first = True
         last_yield = time.monotonic()
         finished = False
         try:
             while True:
-                timeout = None if not tokens else last_yield + self.policy.seconds - time.monotonic()
+                timeout = None if not pending.token_ids else last_yield + self.policy.seconds - time.monotonic()
                 chunk = await self._next(timeout)
                 if chunk is None:  # the coalescing deadline passed with tokens pending
-                    yield self._item(tokens, seconds)
-                    tokens, seconds, last_yield = [], [], time.monotonic()
+                    yield self._item(pending, len(pending.token_ids))
+                    last_yield = time.monotonic()
                     continue
-                tokens += chunk.token_ids
-                seconds += chunk.step_seconds
+                pending.token_ids += chunk.token_ids
+                pending.step_seconds += chunk.step_seconds
+                pending.logprobs += chunk.logprobs
                 if chunk.finish_reason is not None:
                     finished = True
-                    yield self._item(tokens, seconds, chunk.finish_reason, chunk.error)
+                    yield self._item(pending, len(pending.token_ids), chunk.finish_reason, chunk.error)
                     return
-                if first and tokens:
+                if first and pending.token_ids:
                     first = False
-                    yield self._item(tokens[:1], seconds[:1])
-                    tokens, seconds, last_yield = tokens[1:], seconds[1:], time.monotonic()
-                while len(tokens) >= self.policy.tokens:
-                    count = self.policy.tokens
-                    yield self._item(tokens[:count], seconds[:count])
-                    tokens, seconds, last_yield = tokens[count:], seconds[count:], time.monotonic()
+                    yield self._item(pending, 1)
+                    last_yield = time.monotonic()
+                while len(pending.token_ids) >= self.policy.tokens:
+                    yield self._item(pending, self.policy.tokens)
+                    last_yield = time.monotonic()
         finally:
             if not finished:
                 if self._getter is not None:  # nobody will take its chunk now
@@ -131,15 +131,19 @@ class TokenStream:
 
     def _item(
         self,
-        tokens: list[int],
-        seconds: list[float],
+        pending: Chunk,
+        count: int,
         finish_reason: FinishReason | None = None,
         error: str | None = None,
     ) -> StepOutput:
-        return StepOutput(
-            token_ids=list(tokens), step_seconds=list(seconds), finish_reason=finish_reason,
-            prompt_tokens=self.prompt_tokens, error=error,
+        """The first `count` pending tokens as an item, taken out of `pending`."""
+        logprobs = pending.logprobs[:count] or None  # a request without logprobs has none
+        item = StepOutput(
+            token_ids=pending.token_ids[:count], step_seconds=pending.step_seconds[:count],
+            finish_reason=finish_reason, prompt_tokens=self.prompt_tokens, error=error, logprobs=logprobs,
         )
+        del pending.token_ids[:count], pending.step_seconds[:count], pending.logprobs[:count]
+        return item
 
 
 class StreamOutbox:
@@ -148,10 +152,13 @@ class StreamOutbox:
     def __init__(self) -> None:
         self._chunks: dict[TokenStream, Chunk] = {}
 
-    def token(self, stream: TokenStream, token_id: int, step_seconds: float) -> None:
+    def token(self, stream: TokenStream, token_id: int, step_seconds: float,
+              logprob: TokenLogprob | None = None) -> None:
         chunk = self._chunks.setdefault(stream, Chunk())
         chunk.token_ids.append(token_id)
         chunk.step_seconds.append(step_seconds)
+        if logprob is not None:
+            chunk.logprobs.append(logprob)
 
     def finish(self, stream: TokenStream, reason: FinishReason, error: str | None = None) -> None:
         chunk = self._chunks.setdefault(stream, Chunk())

@@ -31,6 +31,7 @@ from ..protocol import (
     FinishReason,
     GenerateRequest,
     StepOutput,
+    TokenLogprob,
 )
 from .engine_metrics import EngineMetrics
 from .stream import RequestQueue, StreamOutbox, TokenStream
@@ -96,12 +97,14 @@ class StepThreadEngine(Engine):
     def _running_count(self) -> int:
         return len(self._running_items())
 
-    def _deliver(self, item: Admission, token: int, seconds: float, outbox: StreamOutbox) -> bool:
-        """Stream `item`'s newest token; True when it ends the generation (a stop id, or
-        max_tokens), which then finishes the stream and releases the item before `outbox` is
-        flushed, so that a new request finds the engine free once the client sees the end."""
+    def _deliver(self, item: Admission, token: int, seconds: float, outbox: StreamOutbox,
+                 logprob: TokenLogprob | None = None) -> bool:
+        """Stream `item`'s newest token (with its logprob, where the request asked); True when it
+        ends the generation (a stop id, or max_tokens), which then finishes the stream and releases
+        the item before `outbox` is flushed, so that a new request finds the engine free once the
+        client sees the end."""
         item.generated += 1
-        outbox.token(item.stream, token, seconds)
+        outbox.token(item.stream, token, seconds, logprob)
         if token in item.stop_ids:
             reason = FinishReason.STOP
         elif item.generated >= item.request.sampling.max_tokens:

@@ -37,7 +37,7 @@ from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 
 from ..models import KVCache, load_model
 from ..protocol import CoalescePolicy, Tier, context_limit
-from ..sampling import SamplingTable, sample
+from ..sampling import SamplingTable, sample, token_logprobs
 from .engine_metrics import EngineMetrics
 from .stream import StreamOutbox
 from .threaded import Admission, StepThreadEngine
@@ -166,10 +166,11 @@ class TorchEngine(StepThreadEngine):
         rows = self.sampling.gather([seq.slot], slot_index)
         tokens = sample(logits, rows, self._to_device([len(prompt)]), self.generator)  # [1]
         self.next_tokens.index_copy_(0, slot_index, tokens)
-        token = tokens.item()  # the step's one sync
+        [logprob] = token_logprobs(logits, tokens, [seq.request.sampling.logprobs])
+        token = tokens.item()  # the step's one sync (two with logprobs)
         seconds = time.perf_counter() - start
         self.metrics.prefill_step(seconds)
-        self._deliver(seq, token, seconds, outbox)
+        self._deliver(seq, token, seconds, outbox, logprob)
 
     def _decode(self, outbox: StreamOutbox) -> None:
         start = time.perf_counter()
@@ -184,11 +185,12 @@ class TorchEngine(StepThreadEngine):
         rows = self.sampling.gather([seq.slot for seq in batch], slot_index)
         tokens = sample(logits, rows, positions + 1, self.generator)  # [B]
         self.next_tokens.index_copy_(0, slot_index, tokens)
-        token_ids = tokens.tolist()  # the step's one sync
+        logprobs = token_logprobs(logits, tokens, [seq.request.sampling.logprobs for seq in batch])
+        token_ids = tokens.tolist()  # the step's one sync (two where a row asked for logprobs)
         seconds = time.perf_counter() - start
         self.metrics.decode_step(seconds)
-        for seq, token in zip(batch, token_ids):
-            self._deliver(seq, token, seconds, outbox)
+        for seq, token, logprob in zip(batch, token_ids, logprobs):
+            self._deliver(seq, token, seconds, outbox, logprob)
 
     def _release(self, seq: Admission) -> None:
         if self._running.get(seq.slot) is seq:  # not a later request that took the slot since

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megaserve.replicas.protocol import EngineError, SamplingParams
-from megaserve.replicas.sampling import SamplingRows, SamplingTable, hash32, sample, seeded_uniform
+from megaserve.replicas.sampling import SamplingRows, SamplingTable, hash32, sample, seeded_uniform, token_logprobs
 
 VOCAB = 50
 DRAWS = 20_000  # rows drawn at once for distribution checks
@@ -255,6 +255,9 @@ def test_a_seed_is_a_64_bit_integer_on_every_tier():
     ("top_p", None, "top_p must be a number, got None"),
     ("stop_token_ids", (2, 3.0), "stop token id 3.0 is not an integer"),
     ("stop_token_ids", (True,), "stop token id True is not an integer"),
+    ("logprobs", 2.0, "logprobs must be an integer, got 2.0"),
+    ("logprobs", -1, r"logprobs must be in \[0, 20\], got -1"),
+    ("logprobs", 21, r"logprobs must be in \[0, 20\], got 21"),
 ])
 def test_a_parameter_of_the_wrong_type_is_refused(field, value, message):
     """Not only where a range check would raise TypeError: a float seed or top_k passes its range
@@ -266,3 +269,17 @@ def test_a_parameter_of_the_wrong_type_is_refused(field, value, message):
 
 def test_integral_temperatures_and_top_ps_are_numbers():
     assert SamplingParams(temperature=1, top_p=1) == SamplingParams(temperature=1.0, top_p=1.0)
+
+
+def test_token_logprobs_are_each_asking_rows_log_softmax_and_its_most_likely_tokens():
+    logits = _logits(3, seed=5).to(torch.bfloat16)  # as the megakernel's: computed in float32
+    tokens = torch.tensor([4, 9, 17], dtype=torch.int32)
+    out = token_logprobs(logits, tokens, [2, None, 0])
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    assert out[1] is None  # that row's request asked for none
+    assert out[0].logprob == pytest.approx(expected[0, 4].item(), abs=1e-6)
+    assert out[2].logprob == pytest.approx(expected[2, 17].item(), abs=1e-6) and out[2].top == ()
+    values, ids = expected[0].topk(2)
+    assert [token for token, _ in out[0].top] == ids.tolist()
+    assert [value for _, value in out[0].top] == pytest.approx(values.tolist(), abs=1e-6)
+    assert token_logprobs(logits, tokens, [None] * 3) == [None] * 3

@@ -21,18 +21,28 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference_greedy(tiny_model_dir):
-    """greedy(prompt, n): n tokens by re-running the whole sequence each step and taking argmax."""
+def reference_logits(tiny_model_dir):
+    """logits(tokens) -> [V] float32: the next token's logits after `tokens`, by running the whole
+    sequence through the reference model afresh."""
     model = load_model(tiny_model_dir, "cpu", torch.float32)
+
+    def logits(tokens: list[int]) -> torch.Tensor:
+        cache = model.new_cache(1, len(tokens))
+        return model.forward(
+            torch.tensor([tokens]), torch.arange(len(tokens))[None], cache, torch.tensor([0]), last_only=True
+        )[0]
+
+    return logits
+
+
+@pytest.fixture(scope="session")
+def reference_greedy(reference_logits):
+    """greedy(prompt, n): n tokens by re-running the whole sequence each step and taking argmax."""
 
     def greedy(prompt: list[int], count: int) -> list[int]:
         tokens = list(prompt)
         for _ in range(count):
-            cache = model.new_cache(1, len(tokens))
-            logits = model.forward(
-                torch.tensor([tokens]), torch.arange(len(tokens))[None], cache, torch.tensor([0]), last_only=True
-            )
-            tokens.append(int(logits[0].argmax()))
+            tokens.append(int(reference_logits(tokens).argmax()))
         return tokens[len(prompt):]
 
     return greedy

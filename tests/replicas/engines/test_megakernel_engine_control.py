@@ -13,7 +13,7 @@ import torch
 
 from megaserve.replicas.engines.engine_metrics import EngineMetrics
 from megaserve.replicas.engines.megakernel_engine import MegakernelEngine
-from megaserve.replicas.protocol import CoalescePolicy, FinishReason, GenerateRequest, SamplingParams
+from megaserve.replicas.protocol import CoalescePolicy, FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 
 VOCAB = 1000
 MAX_CONTEXT = 100_000
@@ -38,19 +38,24 @@ class CountingMegakernel(MegakernelEngine):
         self._running = None
         self._start_step_thread(self.model_name)
 
-    def _prefill(self, prompt, rows) -> int:
-        return FIRST_TOKEN
+    def _prefill(self, prompt, rows, top):
+        return FIRST_TOKEN, _logprob(FIRST_TOKEN, top)
 
     def _begin_decode(self, token: int, position: int, greedy: bool) -> None:
         self._token = token
 
-    def _decode_step(self, rows) -> int:
+    def _decode_step(self, rows, top):
         self.steps += 1
         if self.steps == self.fail_at:
             raise RuntimeError("the kernel faulted")
         time.sleep(STEP_SECONDS)
         self._token += 1
-        return self._token
+        return self._token, _logprob(self._token, top)
+
+
+def _logprob(token: int, top: int | None) -> TokenLogprob | None:
+    """The stand-in's logprob of `token`: a value that names it, and `top` alternatives."""
+    return None if top is None else TokenLogprob(-token / 100, tuple((token + k, -k / 10) for k in range(top)))
 
 
 @pytest.fixture(autouse=True)
@@ -81,6 +86,19 @@ async def test_length_and_stop_end_the_stream_and_free_the_engine():
     assert [t for item in by_stop for t in item.token_ids] == [7, 8, 9]
     assert by_stop[-1].finish_reason == FinishReason.STOP
     assert health.healthy and health.running_requests == 0
+
+
+async def test_each_token_streams_with_its_logprob_when_asked_and_none_else():
+    engine = CountingMegakernel()
+    try:
+        asked = await asyncio.wait_for(_collect(engine, _request(3, logprobs=2)), 10)
+        unasked = await asyncio.wait_for(_collect(engine, _request(3)), 10)
+    finally:
+        await engine.shutdown()
+    for item in asked:
+        assert item.logprobs == [_logprob(token, 2) for token in item.token_ids]
+    assert [t for item in asked for t in item.token_ids] == [7, 8, 9]
+    assert all(item.logprobs is None for item in unasked)
 
 
 async def test_a_failed_step_aborts_the_running_stream_with_the_error():

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megaserve.replicas.engines.stream import Chunk, RequestQueue, StreamOutbox, TokenStream
-from megaserve.replicas.protocol import CoalescePolicy, EngineDeadError, FinishReason
+from megaserve.replicas.protocol import CoalescePolicy, EngineDeadError, FinishReason, TokenLogprob
 
 STEP = 0.001
 
@@ -35,6 +35,21 @@ async def test_pending_tokens_leave_on_the_timer_without_a_new_chunk():
     assert last.token_ids == [] and last.finish_reason == FinishReason.STOP
     with pytest.raises(StopAsyncIteration):
         await anext(outputs)
+
+
+async def test_logprobs_stay_with_their_tokens_through_coalescing():
+    stream = _stream(seconds=10.0, tokens=2)
+    logprob = {token: TokenLogprob(-token / 10, ((token, -token / 10),)) for token in range(5)}
+    stream.put(Chunk([0, 1, 2], [STEP] * 3, logprobs=[logprob[t] for t in (0, 1, 2)]))
+    stream.put(Chunk([3, 4], [STEP] * 2, FinishReason.STOP, logprobs=[logprob[3], logprob[4]]))
+    items = [item async for item in stream.outputs()]
+    assert [item.token_ids for item in items] == [[0], [1, 2], [3, 4]]
+    for item in items:
+        assert item.logprobs == [logprob[t] for t in item.token_ids]
+    # a stream whose request asked for none has None, not an empty list
+    plain = _stream(seconds=10.0, tokens=2)
+    plain.put(Chunk([0, 1], [STEP] * 2, FinishReason.LENGTH))
+    assert all(item.logprobs is None for item in [item async for item in plain.outputs()])
 
 
 async def test_a_multi_token_first_chunk_still_yields_the_first_token_alone():

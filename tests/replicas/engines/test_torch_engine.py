@@ -95,6 +95,35 @@ async def test_seeded_sampling_is_reproducible_and_ignores_batch_neighbours(make
     assert _tokens(await _collect(engine, other_seed)) != alone
 
 
+# Engine and reference both run float32 on the CPU; batched rows sum in another order than a solo
+# run, so logprobs (values near -6 for a vocabulary of 512) agree to ~1e-6, not exactly.
+LOGPROB_TOLERANCE = 1e-4
+
+
+async def test_logprobs_are_the_raw_model_distribution_per_row_of_a_batch(make_engine, reference_logits):
+    """Each token's logprob and top alternatives are the log-softmax of the reference's logits,
+    before temperature (a sampled row's too); a row that did not ask has none beside them."""
+    engine = make_engine(max_batch=3, coalesce=ONE_BY_ONE)
+    greedy = _request(_prompt(7, 20), "greedy", max_tokens=6, logprobs=3)
+    sampled = _request(_prompt(5, 21), "sampled", max_tokens=6, logprobs=0, temperature=0.5, seed=7)
+    plain = _request(_prompt(9, 22), "plain", max_tokens=6)
+    results = await asyncio.gather(*(_collect(engine, r) for r in (greedy, sampled, plain)))
+    for request, items, top in zip((greedy, sampled), results, (3, 0)):
+        tokens = list(request.prompt_token_ids)
+        for item in items:
+            assert len(item.logprobs) == len(item.token_ids)
+            for token, logprob in zip(item.token_ids, item.logprobs):
+                expected = torch.log_softmax(reference_logits(tokens), dim=-1)
+                assert abs(logprob.logprob - expected[token].item()) < LOGPROB_TOLERANCE
+                values, ids = expected.topk(top)
+                assert [i for i, _ in logprob.top] == ids.tolist()
+                assert all(abs(v - e) < LOGPROB_TOLERANCE for (_, v), e in zip(logprob.top, values.tolist()))
+                tokens.append(token)
+    assert all(item.logprobs is None for item in results[2])
+    # greedy picks the most likely token, so it heads its own alternatives
+    assert all(lp.top[0][0] == t for item in results[0] for t, lp in zip(item.token_ids, item.logprobs))
+
+
 async def test_top_k_one_and_tiny_top_p_equal_greedy(make_engine, reference_greedy):
     engine = make_engine(max_batch=2)
     prompt = _prompt(8, 4)
