@@ -360,6 +360,7 @@ class _Router:
             seed=body.seed,
             stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,
+            logprobs=body.requested_logprobs,
         )
 
     # --- serving a request ----------------------------------------------------------------
@@ -405,7 +406,7 @@ class _Router:
             skip_special_tokens=body.skips_special_tokens,
         )
         answer = ResponseBuilder(request_id, self.settings.model_name, served_tier(body, lease), chat, generation,
-                                 return_token_ids=body.returns_token_ids)
+                                 return_token_ids=body.returns_token_ids, logprobs=body.requested_logprobs)
         headers = {TIER_HEADER: lease.tier.value, ROUTE_REASON_HEADER: lease.route.reason}
         events = generation.events()
         try:

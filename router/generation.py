@@ -38,7 +38,7 @@ from megaserve.monitoring.metrics import (
     REQUEST_DURATION,
     TIME_TO_FIRST_TOKEN,
 )
-from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier
+from megaserve.replicas.protocol import EngineDeadError, FinishReason, GenerateRequest, StepOutput, Tier, TokenLogprob
 from megaserve.router.backend import Backend
 from megaserve.router.errors import GenerationFailed
 from megaserve.router.streaming import closing
@@ -58,12 +58,14 @@ STOP_TABLES_CACHED = 256
 class Delta:
     """New text of one choice; `finish_reason` is set on the choice's last delta only. `token_ids`:
     the generated ids counted since the choice's previous delta (text held back as a stop string's
-    possible start comes later than its ids); all of a choice's deltas' ids are its usage."""
+    possible start comes later than its ids); all of a choice's deltas' ids are its usage.
+    `logprobs`: one per id of `token_ids`, where the request asked for logprobs."""
 
     index: int
     text: str
     finish_reason: str | None = None
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class StopMatcher:
@@ -184,6 +186,7 @@ class Generation:
         first = True
         final: Delta | None = None
         unsent_ids: list[int] = []  # counted, not yet on a delta
+        unsent_logprobs: list[TokenLogprob] = []  # theirs, where asked for
         async with closing(self.backend.stream(request)) as stream:
             async for output in stream:
                 # Token by token, so that a stop string ends the count at the token that completes it.
@@ -205,20 +208,22 @@ class Generation:
                     released += text
                 self._count(index, output, used, first)
                 unsent_ids += output.token_ids[:used]
+                unsent_logprobs += (output.logprobs or ())[:used]
                 first = first and not output.token_ids
                 if stopped:
-                    final = self._finish(index, released, FinishReason.STOP.value, unsent_ids)
+                    final = self._finish(index, released, FinishReason.STOP.value, unsent_ids, unsent_logprobs)
                     break
                 if output.finish_reason is FinishReason.ABORT:  # the router closes, never sees, what it cancels
                     if output.error:
                         raise GenerationFailed(output.error)
                     raise EngineDeadError(STOPPED_BEFORE_THE_END)
                 if output.finish_reason is not None:
-                    final = self._finish(index, released + matcher.flush(), output.finish_reason.value, unsent_ids)
+                    final = self._finish(index, released + matcher.flush(), output.finish_reason.value, unsent_ids,
+                                         unsent_logprobs)
                     break
                 if released:
-                    yield Delta(index, released, token_ids=tuple(unsent_ids))
-                    unsent_ids = []
+                    yield Delta(index, released, token_ids=tuple(unsent_ids), logprobs=tuple(unsent_logprobs))
+                    unsent_ids, unsent_logprobs = [], []
         if final is None:
             raise GenerationFailed("the replica stream ended without a finish reason")
         yield final  # after the replica stream is closed: a stop string frees the replica first
@@ -247,9 +252,10 @@ class Generation:
         self.completion_tokens += tokens
         GENERATION_TOKENS.labels(**labels).inc(tokens)
 
-    def _finish(self, index: int, text: str, finish_reason: str, token_ids: list[int]) -> Delta:
+    def _finish(self, index: int, text: str, finish_reason: str, token_ids: list[int],
+                logprobs: list[TokenLogprob]) -> Delta:
         self.finish_reasons[index] = finish_reason
-        return Delta(index, text, finish_reason, tuple(token_ids))
+        return Delta(index, text, finish_reason, tuple(token_ids), tuple(logprobs))
 
     def _record_end(self) -> None:
         self.finished_at = time.perf_counter()

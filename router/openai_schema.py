@@ -12,7 +12,9 @@ ignored too, but an assistant message's tool calls are refused as `tools` is. A 
 no model gets the served one, as in vLLM and SGLang. Extensions, as in vLLM: `top_k`,
 `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `include_stop_str_in_output` (SGLang's
 `no_stop_trim`), `return_token_ids` (the responses' `prompt_token_ids` and `token_ids`, left out of
-the JSON unless asked for), `stream_options.continuous_usage_stats`. Responses
+the JSON unless asked for), `stream_options.continuous_usage_stats`. Logprobs are OpenAI's: chat's
+`logprobs` switch with `top_logprobs` alternatives, the legacy endpoint's `logprobs` count; at most
+MAX_LOGPROBS alternatives, as vLLM's default. Responses
 also carry `timing` (seconds), which OpenAI's clients keep as an extra attribute (streams: on the
 usage chunk).
 """
@@ -26,7 +28,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from megaserve.replicas.protocol import SEED_MAX, SEED_MIN
+from megaserve.replicas.protocol import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 OpenAIFinishReason = Literal["stop", "length"]  # a replica's ABORT is an error, never an answer
@@ -129,8 +131,6 @@ class ChatMessage(_RefusesUnsupported):
 
 # Fields of OpenAI's API that megaserve does not implement, and the value that means "unused".
 _UNSUPPORTED_NEUTRAL: dict[str, Any] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
@@ -295,6 +295,19 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM: 0 alternatives ask for nothing
+            raise PydanticCustomError(INVALID_FIELD, "`{name}` needs `logprobs` to be true", {"name": "top_logprobs"})
+        return self
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its k most likely alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -303,12 +316,17 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    # The legacy endpoint's `logprobs` is a count, and 0 asks for the sampled tokens' logprobs.
-    unsupported_neutral: ClassVar[dict[str, Any]] = _UNSUPPORTED_NEUTRAL | {"logprobs": (None,)}
     # A text prompt is tokenized with the tokenizer's special tokens (BOS), as vLLM's default.
     implemented_only_as: ClassVar[dict[str, Any]] = {"add_special_tokens": True}
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # The legacy endpoint's logprobs: a count of alternatives; 0 asks for the sampled tokens' alone.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its k most likely alternatives."""
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -400,6 +418,31 @@ class _Response(BaseModel):
     system_fingerprint: str | None = None
 
 
+class TopLogprob(BaseModel):
+    """A token and its logprob, in chat's format: `bytes` are the token text's UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the `top_logprobs` most likely tokens of the step, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]  # one per generated token (streams: per token of the delta)
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy endpoint's logprobs: one entry per generated token in each list."""
+
+    text_offset: list[int]  # where each token's text starts in the choice's text
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]  # the `logprobs` most likely tokens, and the sampled one
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -408,7 +451,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: OpenAIFinishReason
     token_ids: list[int] | None = None  # return_token_ids: the choice's generated ids
 
@@ -424,7 +467,7 @@ class ChatCompletion(_Response):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, then {}
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: OpenAIFinishReason | None = None
     token_ids: list[int] | None = None  # return_token_ids: the ids of this delta
 
@@ -440,7 +483,7 @@ class ChatCompletionChunk(_Response):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: OpenAIFinishReason | None = None
     # return_token_ids: the choice's prompt ids (streams: on its first chunk), its generated ids
     # (streams: this delta's)

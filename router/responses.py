@@ -5,7 +5,9 @@ then one chunk per text delta (the last of a choice carries its finish_reason), 
 `stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`. With
 vLLM's `continuous_usage_stats` as well, every chunk carries the usage so far. With vLLM's
 `return_token_ids`, the prompt's ids come with the answer (streams: its first chunk; completions:
-each choice's, on each choice's first chunk) and each choice, or delta, has its generated ids.
+each choice's, on each choice's first chunk) and each choice, or delta, has its generated ids. With logprobs asked for, each choice, or delta, has
+those of its generated ids (OpenAI's formats: chat's `content` list, the legacy endpoint's parallel
+lists), token texts decoded one id at a time as vLLM names them.
 A failure after the first chunk arrives as an `{"error": ...}` event (the status is already sent),
 then `[DONE]`.
 """
@@ -18,7 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import NamedTuple
 
-from megaserve.replicas.protocol import Tier
+from megaserve.replicas.protocol import Tier, TokenLogprob
 from megaserve.router.errors import GENERATION_ERRORS, SERVER_ERROR, APIError, generation_error
 from megaserve.router.generation import Delta, Generation
 from megaserve.router.openai_schema import (
@@ -26,11 +28,15 @@ from megaserve.router.openai_schema import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatLogprobs,
     ChatMessageOut,
+    ChatTokenLogprob,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     GenerationRequest,
     Timing,
+    TopLogprob,
     Usage,
 )
 from megaserve.router.policy import Lease
@@ -42,6 +48,8 @@ TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")  # vLLM's return_token_ids f
 UNASKED_TOKEN_IDS = {"prompt_token_ids": True, "choices": {"__all__": dict.fromkeys(TOKEN_ID_FIELDS, True)}}
 log = logging.getLogger(__name__)
 SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
+# What OpenAI and vLLM send for a logprob of -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
 
 
 def served_tier(body: GenerationRequest, lease: Lease) -> str:
@@ -63,7 +71,7 @@ class ResponseBuilder:
     """Turns a generation's deltas into OpenAI responses and chunks."""
 
     def __init__(self, request_id: str, model: str, service_tier: str, chat: bool, generation: Generation,
-                 return_token_ids: bool = False) -> None:
+                 return_token_ids: bool = False, logprobs: int | None = None) -> None:
         self.common = {"id": request_id, "model": model, "service_tier": service_tier}
         self.created = int(time.time())
         self.chat = chat
@@ -72,6 +80,8 @@ class ResponseBuilder:
         # what each answer's JSON leaves out: the token-id fields, unless asked for
         self.unasked_fields: dict = {} if return_token_ids else UNASKED_TOKEN_IDS
         self._prompt_ids_sent: set[int] = set()  # choices whose stream has had its prompt's ids
+        self.logprobs = logprobs  # None: not asked for; else the alternatives per token
+        self._text_offsets: dict[int, int] = {}  # per choice: the legacy logprobs' text_offset so far
 
     def _ids(self, token_ids: Sequence[int]) -> list[int] | None:
         """`token_ids` where the request asked for ids, else None (left out of the JSON)."""
@@ -88,6 +98,39 @@ class ResponseBuilder:
         if any(per_choice.values()):
             exclude["choices"] = per_choice
         return exclude
+
+    def _token(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.generation.tokenizer.token_text(token_id)
+        return TopLogprob(token=text, logprob=max(logprob, LOGPROB_FLOOR), bytes=list(text.encode()))
+
+    def _chat_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> ChatLogprobs | None:
+        """Chat's logprobs of these generated ids, or None where the request did not ask."""
+        if self.logprobs is None:
+            return None
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**self._token(token_id, lp.logprob).model_dump(),
+                             top_logprobs=[self._token(top_id, value) for top_id, value in lp.top])
+            for token_id, lp in zip(token_ids, logprobs, strict=True)
+        ])
+
+    def _completion_logprobs(self, index: int, token_ids: Sequence[int],
+                             logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs | None:
+        """The legacy endpoint's logprobs of choice `index`'s next generated ids, or None where the
+        request did not ask. Each token's text_offset follows the token texts before it, as vLLM's."""
+        if self.logprobs is None:
+            return None
+        tokens = [self.generation.tokenizer.token_text(token_id) for token_id in token_ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(self._text_offsets.get(index, 0))
+            self._text_offsets[index] = offsets[-1] + len(text)
+        tops = []
+        for token, lp in zip(tokens, logprobs, strict=True):
+            top = {self._token(top_id, value).token: max(value, LOGPROB_FLOOR) for top_id, value in lp.top}
+            top.setdefault(token, max(lp.logprob, LOGPROB_FLOOR))  # OpenAI's: the sampled token is always there
+            tops.append(top)
+        return CompletionLogprobs(text_offset=offsets, token_logprobs=[max(lp.logprob, LOGPROB_FLOOR) for lp in logprobs],
+                                  tokens=tokens, top_logprobs=tops)
 
     def _prompt_ids(self, index: int) -> Sequence[int]:
         return self.generation.requests[index].prompt_token_ids
@@ -109,18 +152,22 @@ class ResponseBuilder:
     def complete(self, deltas: list[Delta], n: int) -> ChatCompletion | Completion:
         texts = ["" for _ in range(n)]
         generated: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         finish: dict[int, str] = {}  # every choice's last delta has one: events() raises otherwise
         for delta in deltas:
             texts[delta.index] += delta.text
             generated[delta.index] += delta.token_ids
+            logprobs[delta.index] += delta.logprobs
             if delta.finish_reason is not None:
                 finish[delta.index] = delta.finish_reason
         if self.chat:
             choices = [ChatChoice(index=i, message=ChatMessageOut(content=texts[i]), finish_reason=finish[i],
+                                  logprobs=self._chat_logprobs(generated[i], logprobs[i]),
                                   token_ids=self._ids(generated[i])) for i in range(n)]
             return ChatCompletion(**self.common, created=self.created, choices=choices, usage=self.usage(),
                                   timing=self.timing(), prompt_token_ids=self._ids(self._prompt_ids(0)))
         choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finish[i],
+                                    logprobs=self._completion_logprobs(i, generated[i], logprobs[i]),
                                     prompt_token_ids=self._ids(self._prompt_ids(i)), token_ids=self._ids(generated[i]))
                    for i in range(n)]
         return Completion(**self.common, created=self.created, choices=choices, usage=self.usage(),
@@ -158,11 +205,14 @@ class ResponseBuilder:
         if self.chat:
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
             return self._chunk([ChatChunkChoice(index=delta.index, delta=content, finish_reason=delta.finish_reason,
+                                                logprobs=self._chat_logprobs(delta.token_ids, delta.logprobs),
                                                 token_ids=self._ids(delta.token_ids))], chunk_usage)
         first_of_choice = delta.index not in self._prompt_ids_sent
         self._prompt_ids_sent.add(delta.index)
         prompt_ids = self._ids(self._prompt_ids(delta.index)) if first_of_choice else None
         return self._chunk([CompletionChoice(index=delta.index, text=delta.text, finish_reason=delta.finish_reason,
+                                             logprobs=self._completion_logprobs(delta.index, delta.token_ids,
+                                                                                delta.logprobs),
                                              prompt_token_ids=prompt_ids, token_ids=self._ids(delta.token_ids))],
                            chunk_usage)
 

@@ -91,6 +91,7 @@ class Tokenizer:
         self._template_private_use = {ord(c) for c in PLACEHOLDERS.findall(chat_template or "")}
         # For a stretch of text at the start of a prompt, and for the others (_reading_specials_as_text).
         self._as_text_first, self._as_text = _reading_specials_as_text(backend) if specials else (None, None)
+        self._token_texts: dict[int, str] = {}  # token_text's, filled as ids come up (a vocabulary at most)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -208,6 +209,14 @@ class Tokenizer:
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each id's entry in the vocabulary, as the tokenizer spells it (Ġ for a byte-level space)."""
         return [self._backend.id_to_token(token_id) for token_id in token_ids]
+
+    def token_text(self, token_id: int) -> str:
+        """One id decoded alone, special tokens written out: how logprobs name a token (vLLM's way).
+        A byte-level token that is part of a character decodes to U+FFFD."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._backend.decode([token_id], skip_special_tokens=False)
+        return text
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -263,6 +263,58 @@ def test_without_return_token_ids_no_answer_has_a_trace_of_them(router_url):
         assert not any("token_ids" in answer for answer in answers), answers
 
 
+def _chat_logprobs(url: str, request: dict) -> tuple[str, list[dict]]:
+    """A one-choice chat's text and its logprobs' content, streamed or not as `request` says."""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=request) as response:
+        if not request.get("stream"):
+            response.read()
+            choice = response.json()["choices"][0]
+            return choice["message"]["content"], choice["logprobs"]["content"]
+        choices = [p["choices"][0] for p in sse_payloads(response)[:-1]]
+    assert choices[0]["logprobs"] is None  # the role chunk has no token
+    text = "".join(c["delta"].get("content", "") for c in choices)
+    return text, [entry for c in choices[1:] for entry in c["logprobs"]["content"]]
+
+
+@pytest.mark.parametrize("tier", ["priority", "default"])
+def test_chat_logprobs_name_each_token_and_its_most_likely_alternatives(router_url, tier):
+    request = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
+               "service_tier": tier, **GREEDY}
+    text, content = _chat_logprobs(router_url, request)
+    streamed_text, streamed = _chat_logprobs(router_url, {**request, "stream": True})
+    assert streamed_text == text and len(content) == len(streamed) == 6
+    assert "".join(entry["token"] for entry in content) == text  # the demo model's tokens decode alone
+    for entry, again in zip(content, streamed):
+        assert entry["token"] == again["token"] and entry["logprob"] == pytest.approx(again["logprob"], abs=1e-5)
+        assert entry["bytes"] == list(entry["token"].encode())
+        top = entry["top_logprobs"]
+        assert len(top) == 3 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        # greedy: the chosen token is the most likely one
+        assert top[0]["token"] == entry["token"] and top[0]["logprob"] == pytest.approx(entry["logprob"])
+        assert all(t["logprob"] <= 0 for t in top)
+    _, without_alternatives = _chat_logprobs(router_url, {**request, "top_logprobs": 0})
+    assert [e["top_logprobs"] for e in without_alternatives] == [[]] * 6
+
+
+def test_completion_logprobs_cover_the_counted_tokens_with_offsets_into_the_text(router_url):
+    request = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 40, "logprobs": 2, "stop": ["xo"],
+               **GREEDY}
+    answer = httpx.post(f"{router_url}/v1/completions", json=request).json()
+    logprobs = answer["choices"][0]["logprobs"]
+    # "ox" "ox": the stop string ends the count, and the logprobs, at the token that completes it
+    assert logprobs["tokens"] == ["ox", "ox"] and answer["usage"]["completion_tokens"] == 2
+    assert logprobs["text_offset"] == [0, 2]
+    for token, value, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert len(top) == 2 and top[token] == pytest.approx(value)  # greedy: the sampled token is among the top
+    long = {**request, "stop": None, "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{router_url}/v1/completions", json=long) as response:
+        chunks = [p["choices"][0]["logprobs"] for p in sse_payloads(response)[:-1]]
+    tokens = [t for chunk in chunks for t in chunk["tokens"]]
+    offsets = [o for chunk in chunks for o in chunk["text_offset"]]
+    assert len(chunks) > 1 and len(tokens) == 5
+    assert offsets == [len("".join(tokens[:i])) for i in range(5)]  # continued across chunks, not restarted
+
+
 def test_n_choices_each_arrive_with_their_own_index(router_url):
     request = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "n": 3, "seed": 7, "ignore_eos": True}
     response = httpx.post(f"{router_url}/v1/chat/completions", json=request)

@@ -12,6 +12,7 @@ import pytest
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
 from megaserve.router.backend import EngineBackend
+from megaserve.replicas.protocol import MAX_LOGPROBS
 from megaserve.router.openai_schema import MAX_MESSAGES, MAX_STOP_CHARS
 
 from .conftest import MODEL
@@ -67,8 +68,12 @@ BAD_REQUESTS = {
     "empty stop string": (CHAT, chat(stop=[""]), 400, "stop"),
     "too many stop strings": (CHAT, chat(stop=[str(i) for i in range(17)]), 400, "stop"),
     "a stop string too long": (COMPLETIONS, completion(stop=["end", "x" * (MAX_STOP_CHARS + 1)]), 400, "stop"),
-    "logprobs asked for": (CHAT, chat(logprobs=True), 400, "logprobs"),
-    "legacy logprobs 0 (the sampled token's)": (COMPLETIONS, completion(logprobs=0), 400, "logprobs"),
+    "top_logprobs without logprobs": (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    "top_logprobs past the limit": (CHAT, chat(logprobs=True, top_logprobs=MAX_LOGPROBS + 1), 400, "top_logprobs"),
+    "logprobs as a string": (CHAT, chat(logprobs="true"), 400, "logprobs"),
+    "legacy logprobs past the limit": (COMPLETIONS, completion(logprobs=MAX_LOGPROBS + 1), 400, "logprobs"),
+    "legacy logprobs as a boolean": (COMPLETIONS, completion(logprobs=True), 400, "logprobs"),
+    "legacy logprobs negative": (COMPLETIONS, completion(logprobs=-1), 400, "logprobs"),
     "tools given": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     "an assistant message's tool_calls": (CHAT, chat(messages=[*HI, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,

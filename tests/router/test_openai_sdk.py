@@ -65,6 +65,19 @@ def test_vllm_s_text_and_id_extensions_through_extra_body(client):
     assert len(choice.prompt_token_ids) == completion.usage.prompt_tokens
 
 
+def test_logprobs_parse_into_the_sdk_s_types(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    assert [len(entry.top_logprobs) for entry in content] == [2, 2, 2]
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0,
+                                           logprobs=1, extra_body={"ignore_eos": True})
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text and len(logprobs.token_logprobs) == 3
+    assert all(logprobs.tokens[i] in top for i, top in enumerate(logprobs.top_logprobs))
+
+
 def test_sdk_exceptions_for_refusals(client):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
