@@ -16,7 +16,7 @@ from megaserve.kernels.shape import UnsupportedShapeError
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 from megaserve.replicas.engines.megakernel_engine import MegakernelEngine
 from megaserve.replicas.protocol import CoalescePolicy, EngineError, FinishReason, GenerateRequest, SamplingParams
-from tests.gpu.reference import kernel_step, megakernel_model, prefill, reference_step, tie_gap
+from tests.gpu.reference import TIE_NOISE_FACTOR, kernel_step, megakernel_model, prefill, reference_step, tie_gap
 from tests.model_factory import make_tiny_model
 
 PROMPT = (5, 17, 99, 3, 42, 250, 7)
@@ -71,6 +71,44 @@ def test_greedy_stream_follows_the_yield_rule(engine, tiny_model_dir, tmp_path):
     assert all(o.finish_reason is None for o in outputs[:-1])
     assert len(tokens) == MAX_TOKENS and all(len(o.step_seconds) == len(o.token_ids) for o in outputs)
     assert_kernel_greedy(tiny_model_dir, tmp_path, tokens)
+
+
+LOGPROB_STEPS = 12
+# log_softmax moves by at most twice the largest move of its logits (each entry's, plus the
+# log-sum-exp's), so a streamed logprob may differ from the bf16 reference's by 2 x the kernel's
+# logit error, taken from a fresh launch per step times the run-to-run noise factor.
+LOGSOFTMAX_LIPSCHITZ = 2.0
+PREFILL_LOGPROB_TOLERANCE = 1e-4  # the first token's comes from the same PyTorch prefill as the reference's
+
+
+def test_logprobs_are_the_log_softmax_of_the_step_s_logits(engine, tiny_model_dir, tmp_path):
+    outputs = asyncio.run(collect(engine, greedy_request(max_tokens=LOGPROB_STEPS, logprobs=4)))
+    tokens = [t for o in outputs for t in o.token_ids]
+    logprobs = [lp for o in outputs for lp in o.logprobs]
+    assert len(tokens) == len(logprobs) == LOGPROB_STEPS
+    for lp in logprobs:  # greedy: the chosen token's logprob is the largest, exactly (the same logits)
+        assert len(lp.top) == 4 and lp.top[0][1] == lp.logprob
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    model = megakernel_model(tiny_model_dir)
+    cache, ref_cache = model.new_cache(1, MAX_SEQ), model.new_cache(1, MAX_SEQ)
+    prefill(model, cache, PROMPT)
+    first = torch.log_softmax(prefill(model, ref_cache, PROMPT).float(), dim=-1)[tokens[0]].item()
+    assert abs(logprobs[0].logprob - first) <= PREFILL_LOGPROB_TOLERANCE
+    step = DecodeStep(model, cache, 0, KernelCache(tmp_path))
+    for index, (token, chosen) in enumerate(zip(tokens, tokens[1:])):
+        pos = len(PROMPT) + index
+        logits, ref = kernel_step(step, token, pos), reference_step(model, ref_cache, token, pos).float()
+        allowed = LOGSOFTMAX_LIPSCHITZ * TIE_NOISE_FACTOR * (logits - ref).abs().max().item()
+        expected = torch.log_softmax(ref, dim=-1)[chosen].item()
+        assert abs(logprobs[index + 1].logprob - expected) <= allowed, (index + 1, expected, allowed)
+
+
+def test_sampled_requests_get_logprobs_too(engine):
+    outputs = asyncio.run(collect(engine, greedy_request(max_tokens=8, temperature=1.0, seed=5, logprobs=0)))
+    logprobs = [lp for o in outputs for lp in o.logprobs]
+    assert len(logprobs) == 8 and all(lp.logprob <= 0 and lp.top == () for lp in logprobs)
+    plain = asyncio.run(collect(engine, greedy_request(max_tokens=3)))
+    assert all(o.logprobs is None for o in plain)
 
 
 def test_one_kernel_launch_per_decode_step(engine):
