@@ -15,6 +15,21 @@ By default each streamed dict carries all output ids so far; with SGLang's
 leaves cancels our pump and `runtime.tokenizer_manager.abort_request(rid=...)` drops the request
 from SGLang's batch at its next step.
 
+Logprobs (`SamplingParams.logprobs` k, not None): the request also carries `return_logprob=True`,
+`top_logprobs_num=k` and `logprob_start_len=-1`, SGLang's "the output's only" (its scheduler then
+starts them at the prompt's end: no prompt logprobs are computed); a request without logprobs
+carries none of them, and SGLang computes none. meta_info["output_token_logprobs"] has a
+(logprob, token id, None) per output id (None: no text, with `skip_tokenizer_init`) and, when
+k > 0, meta_info["output_top_logprobs"] a list of k such tuples per output id, most likely first.
+Both hold every output id's so far, or with incremental streaming the dict's own ids' (SGLang's own
+abort, which repeats the last id, holds every id's so far after those of any new ids). `OutputReader`
+turns those of its new ids into `TokenLogprob`s, cut with the ids, and where they are missing or
+name other ids fails the request (an abort, which drops SGLang's request too) rather than misalign
+them. SGLang's logprobs are by default those of the
+temperature-scaled logits; SGLANG_RETURN_ORIGINAL_LOGPROB, set in this process (SGLang's processes
+inherit it, as the context switch), makes them the raw logits' log-softmax, as on the other tiers.
+SGLang reads it only for requests that ask for logprobs.
+
 Stops are TorchEngine's (and vLLM's): a stop id ends a request with FinishReason.STOP, the stop id
 streamed last, and `ignore_eos` drops only EOS. EOS is every id `hf_eos_token_ids` finds, sent as
 stop ids: SGLang itself stops only on config.json's and generation_config.json's, and with
@@ -110,6 +125,7 @@ from ..protocol import (
     SamplingParams,
     StepOutput,
     Tier,
+    TokenLogprob,
     context_limit,
 )
 from ..source_tree import import_installed_namesakes
@@ -145,6 +161,12 @@ OUT_OF_VOCABULARY_ERROR = "SGLang sampled a token outside the vocabulary (NaN in
 CONTEXT_MARGIN = 6  # SGLang's context_length beyond the engine's max_context (see the module's doc)
 # SGLang's switch for a context_length past its reading of the model's length
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+# SGLang's switch for logprobs of the raw logits rather than of the temperature-scaled ones
+RAW_LOGPROBS_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+# async_generate's logprob keywords, and the meta_info keys they add
+RETURN_LOGPROB_ARG, TOP_LOGPROBS_ARG, LOGPROB_START_ARG = "return_logprob", "top_logprobs_num", "logprob_start_len"
+OUTPUT_ONLY_LOGPROBS = -1  # logprob_start_len: the output's logprobs, none of the prompt's
+TOKEN_LOGPROBS_KEY, TOP_LOGPROBS_KEY = "output_token_logprobs", "output_top_logprobs"
 SEED_BITS = 63  # an unseeded sampled request's random sampling_seed: a non-negative int64
 
 # The health probe: SGLang's own prefix (it drops late outputs of such rids quietly), one greedy
@@ -185,10 +207,14 @@ def own_stop_ids(params: SamplingParams) -> frozenset[int]:
 
 
 def generate_kwargs(prompt_token_ids: Sequence[int], sampling_params: Mapping[str, Any], rid: str,
-                    priority: int) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine.async_generate` for one streamed request."""
-    return {"input_ids": list(prompt_token_ids), "sampling_params": dict(sampling_params),
-            "rid": rid, "priority": priority, "stream": True}
+                    priority: int, logprobs: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine.async_generate` for one streamed request; `logprobs`:
+    SamplingParams.logprobs (None asks SGLang for none, so that it computes none)."""
+    kwargs = {"input_ids": list(prompt_token_ids), "sampling_params": dict(sampling_params),
+              "rid": rid, "priority": priority, "stream": True}
+    if logprobs is not None:
+        kwargs |= {RETURN_LOGPROB_ARG: True, TOP_LOGPROBS_ARG: logprobs, LOGPROB_START_ARG: OUTPUT_ONLY_LOGPROBS}
+    return kwargs
 
 
 def check_engine_args(engine_args: Mapping[str, Any]) -> None:
@@ -258,17 +284,20 @@ def model_limits(hf_config: Mapping[str, Any], max_seq: int | None) -> tuple[int
 
 @dataclass
 class OutputReader:
-    """Turns the dicts of one SGLang stream into Chunks of new tokens, ending at the first of
-    `stop_ids` (the stop ids SGLang does not check, `own_stop_ids`)."""
+    """Turns the dicts of one SGLang stream into Chunks of new tokens (with their logprobs where
+    `logprobs` is set), ending at the first of `stop_ids` (the stop ids SGLang does not check,
+    `own_stop_ids`)."""
 
     incremental: bool  # SGLang started with incremental_streaming_output
     stop_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None  # the request's SamplingParams.logprobs
     delivered: int = 0  # output ids handed on so far
 
     def read(self, output: Mapping[str, Any], seconds: float, wall_time: float | None = None) -> Chunk:
         """`seconds`: time since the previous dict (or since submission), split over its tokens;
         `wall_time`: time.time() at its arrival, for the first dict's prefill stamps (step_times)."""
         output_ids = output["output_ids"]
+        start = 0 if self.incremental else self.delivered  # where the new ids' logprobs start in meta_info
         if self.incremental:
             # meta_info["completion_tokens"] counts every output id so far: only those past
             # `delivered` are new. A request that SGLang itself aborts outside the output stream
@@ -285,10 +314,31 @@ class OutputReader:
         if error == OUT_OF_VOCABULARY_ERROR:  # its last id is SGLang's stop id in place of the bad sample
             new = new[:-1]
         steps = step_times(len(new), seconds, output["meta_info"] if first else {}, wall_time)
+        logprobs = [] if self.logprobs is None else self.logprobs_of(output["meta_info"], start, new)
         stop = next((i for i, token in enumerate(new) if token in self.stop_ids), None)
         if stop is not None:  # it came before whatever SGLang reports with it (length, abort): STOP, as on TorchEngine
             new, steps, reason, error = new[:stop + 1], steps[:stop + 1], FinishReason.STOP, None
-        return Chunk(new, steps, reason, error)
+            logprobs = logprobs[:stop + 1]
+        return Chunk(new, steps, reason, error, logprobs)
+
+    def logprobs_of(self, meta_info: Mapping[str, Any], start: int, new: Sequence[int]) -> list[TokenLogprob]:
+        """The TokenLogprobs of `new`, the ids at `start` of meta_info's logprob lists; a RuntimeError
+        where SGLang's lists lack some or name other ids: a misaligned logprob would go unseen."""
+        end = start + len(new)  # slices, not copies: in the cumulative mode the lists hold every id so far
+        tokens = (meta_info.get(TOKEN_LOGPROBS_KEY) or ())[start:end]
+        tops = (meta_info.get(TOP_LOGPROBS_KEY) or ())[start:end] if self.logprobs else [()] * len(new)
+        if len(tokens) < len(new) or len(tops) < len(new):
+            raise RuntimeError(f"SGLang sent logprobs for {len(tokens)} (top logprobs for {len(tops)}) of "
+                               f"{len(new)} new output ids")
+        found = []
+        for token, (logprob, token_id, *_), row in zip(new, tokens, tops):
+            top = tuple((int(top_id), float(top_logprob)) for top_logprob, top_id, *_ in row or ())
+            if token_id != token:
+                raise RuntimeError(f"SGLang sent the logprob of id {token_id} for output id {token}")
+            if len(top) != self.logprobs:
+                raise RuntimeError(f"SGLang sent {len(top)} top logprobs of output id {token}, not {self.logprobs}")
+            found.append(TokenLogprob(float(logprob), top))
+        return found
 
 
 def step_times(tokens: int, seconds: float, meta_info: Mapping[str, Any], wall_time: float | None) -> list[float]:
@@ -356,6 +406,7 @@ class SGLangEngine(Engine):
         self.vocab_size, self.max_context = model_limits(hf_config, max_seq)
         self.eos_ids = hf_eos_token_ids(model_dir)
         os.environ[LONGER_CONTEXT_ENV] = "1"  # the context is the engine's (module doc)
+        os.environ[RAW_LOGPROBS_ENV] = "1"  # logprobs of the raw logits, as on every tier (module doc)
         self.model_name = model_name or Path(model_dir).name
         self.coalesce = coalesce
         self.health_timeout_seconds = health_timeout_seconds
@@ -406,12 +457,12 @@ class SGLangEngine(Engine):
     async def _pump(self, request: GenerateRequest, rid: str, stream: TokenStream) -> None:
         """Feed SGLang's stream for `rid` into our TokenStream until it finishes."""
         self.metrics.request_started()
-        reader = OutputReader(self._incremental, own_stop_ids(request.sampling))
+        reader = OutputReader(self._incremental, own_stop_ids(request.sampling), request.sampling.logprobs)
         last = time.perf_counter()
         try:
             outputs = await self._runtime.async_generate(**generate_kwargs(
                 request.prompt_token_ids, sglang_sampling_params(request.sampling, self.vocab_size, self.eos_ids),
-                rid, request.priority))
+                rid, request.priority, request.sampling.logprobs))
             async for output in outputs:
                 for probe in self._probes:
                     probe.set()
@@ -428,8 +479,11 @@ class SGLangEngine(Engine):
                         self._runtime.tokenizer_manager.abort_request(rid=rid)
                     return
             stream.put(Chunk(finish_reason=FinishReason.ABORT, error="SGLang ended the stream without a finish reason"))
-        except Exception as exc:  # SGLang refused or failed the request: the client gets the reason
+        except Exception as exc:  # SGLang refused or failed the request, or the reader its output: the client gets why
             stream.put(Chunk(finish_reason=FinishReason.ABORT, error=f"SGLang failed: {type(exc).__name__}: {exc}"))
+            # Where the reader refused its output, SGLang would run it on; it ignores a rid it no longer has.
+            with contextlib.suppress(Exception):
+                self._runtime.tokenizer_manager.abort_request(rid=rid)
         finally:
             self._active.pop(rid, None)
             self.metrics.request_ended()

@@ -20,7 +20,11 @@ max_req_len - 5 is the tokenizer manager's max_req_input_len, as SGLang's), and 
 request's entry in the tokenizer manager's `rid_to_state` until it ends, except a health probe's
 that it aborts (SGLang's `_handle_abort_req` returns early for those). Its "model" continues a
 prompt ending in t with t+1, t+2, ... and has no EOS; it stops on a stop id by SGLang's rule
-(`stops_on`).
+(`stops_on`). Asked for logprobs (`return_logprob`), its meta_info carries SGLang's
+"output_token_logprobs", a (logprob, id, None) per output id, and with `top_logprobs_num` k > 0
+"output_top_logprobs", k of them per output id (`stand_in_logprob`), for the same ids as its
+output ids but in the abort that repeats the last one, which carries them for every id so far
+(test_sglang_api.py checks SGLang's own meta_info against the engine's reader).
 """
 
 from __future__ import annotations
@@ -39,6 +43,13 @@ from megaserve.replicas.engines.sglang_engine import LONGER_CONTEXT_ENV  # SGLan
 STEP_SECONDS = 0.001
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's (test_sglang_api.py checks the engine's)
 QUEUE_FULL_MESSAGE = "The request queue is full."  # SGLang's (test_sglang_api.py)
+
+
+def stand_in_logprob(token: int, k: int) -> tuple[tuple[float, int, None], list[tuple[float, int, None]]]:
+    """The stand-in model's (logprob, id, None) of a token it outputs, and the k most likely at its
+    step (the token itself first, then made-up ids), as SGLang's meta_info lists them."""
+    logprob = -1.0 / token
+    return (logprob, token, None), [(logprob - j, token + 1000 * j, None) for j in range(k)]
 
 
 def stops_on(params: dict[str, Any], token: int) -> bool:
@@ -79,21 +90,28 @@ class StandInSGLang:
         self.queue_seconds = 0.0  # new requests wait this long in the queue before their prefill
 
     async def async_generate(self, *, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
-                             priority: int, stream: bool) -> AsyncIterator[dict[str, Any]]:
+                             priority: int, stream: bool, return_logprob: bool = False,
+                             top_logprobs_num: int | None = None,
+                             logprob_start_len: int | None = None) -> AsyncIterator[dict[str, Any]]:
         if not stream:
             raise ValueError("the stand-in streams only")
+        if logprob_start_len not in (None, -1):
+            raise ValueError("the stand-in has no prompt logprobs")
         self.requests.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
-                              "priority": priority, "stream": stream})
+                              "priority": priority, "stream": stream, "return_logprob": return_logprob,
+                              "top_logprobs_num": top_logprobs_num, "logprob_start_len": logprob_start_len})
         self.tokenizer_manager.rid_to_state[rid] = {}
+        top = (top_logprobs_num or 0) if return_logprob else None
         return self._outputs(input_ids, sampling_params, rid, self.stalled, self.failure, self.queue_seconds,
-                             self.queue_full)
+                             self.queue_full, top)
 
     async def _outputs(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
-                       failure: Exception | None, queue_seconds: float,
-                       queue_full: bool) -> AsyncIterator[dict[str, Any]]:
+                       failure: Exception | None, queue_seconds: float, queue_full: bool,
+                       top: int | None) -> AsyncIterator[dict[str, Any]]:
+        """`top`: None without logprobs, else top_logprobs_num."""
         states = self.tokenizer_manager.rid_to_state
         try:
-            async for output in self._steps(prompt, params, rid, stalled, failure, queue_seconds, queue_full):
+            async for output in self._steps(prompt, params, rid, stalled, failure, queue_seconds, queue_full, top):
                 if output["meta_info"]["finish_reason"] is not None:
                     states.pop(rid, None)  # a request that ends, health probes too
                 yield output
@@ -102,8 +120,8 @@ class StandInSGLang:
                 states.pop(rid, None)
 
     async def _steps(self, prompt: list[int], params: dict[str, Any], rid: str, stalled: bool,
-                     failure: Exception | None, queue_seconds: float,
-                     queue_full: bool) -> AsyncIterator[dict[str, Any]]:
+                     failure: Exception | None, queue_seconds: float, queue_full: bool,
+                     top: int | None) -> AsyncIterator[dict[str, Any]]:
         if failure is not None:
             raise failure
         health_probe = rid.startswith(HEALTH_CHECK_RID_PREFIX)
@@ -114,11 +132,19 @@ class StandInSGLang:
             yield {"output_ids": [], "meta_info": {"finish_reason": refusal, "completion_tokens": 0}}
             return
         incremental = self.launch_args.get("incremental_streaming_output", False)
+
+        def logprobs(ids: list[int]) -> dict[str, Any]:  # SGLang's logprob meta_info for these output ids
+            if top is None:
+                return {}
+            rows = [stand_in_logprob(token, top) for token in ids]
+            return {"output_token_logprobs": [row[0] for row in rows]} | (
+                {"output_top_logprobs": [row[1] for row in rows]} if top else {})
+
         max_req_len = self.max_req_len
         if len(prompt) >= max_req_len - 5:
             message = f"Input length ({len(prompt)} tokens) exceeds the maximum allowed length ({max_req_len - 5})"
             yield {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": message},
-                                                   "completion_tokens": 0}}
+                                                   "completion_tokens": 0, **logprobs([])}}
             return
         max_new_tokens = min(params["max_new_tokens"], max_req_len - len(prompt) - 1)
         await asyncio.sleep(queue_seconds)
@@ -133,7 +159,8 @@ class StandInSGLang:
             if rid in self.tokenizer_manager.aborted:
                 yield {"output_ids": output_ids[-1:] if incremental else list(output_ids),
                        "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"},
-                                     "completion_tokens": len(output_ids), **stamps}}
+                                     "completion_tokens": len(output_ids), **stamps,
+                                     **logprobs(output_ids)}}  # every id so far, as SGLang's abort
                 return
             token = prompt[-1] + len(output_ids) + 1
             output_ids.append(token)
@@ -143,7 +170,8 @@ class StandInSGLang:
             elif len(output_ids) == max_new_tokens:
                 reason = {"type": "length", "length": len(output_ids)}
             yield {"output_ids": [token] if incremental else list(output_ids),
-                   "meta_info": {"finish_reason": reason, "completion_tokens": len(output_ids), **stamps}}
+                   "meta_info": {"finish_reason": reason, "completion_tokens": len(output_ids), **stamps,
+                                 **logprobs([token] if incremental else output_ids)}}
             if reason is not None:
                 return
 

@@ -7,6 +7,7 @@ missing wheel fails these tests: they never skip.
 
 from __future__ import annotations
 
+import __future__
 import ast
 import inspect
 import logging
@@ -28,20 +29,28 @@ from megaserve.replicas.engines.sglang_engine import (
     HEALTH_SAMPLING,
     INCREMENTAL_ARG,
     LONGER_CONTEXT_ENV,
+    LOGPROB_START_ARG,
     LOW_PRIORITY_FIRST_ARG,
     NAN_MATCHED,
+    OUTPUT_ONLY_LOGPROBS,
     PLACEMENT_ARGS,
     PRIORITY_ARG,
     PRIORITY_SCHEDULE_POLICIES,
+    RAW_LOGPROBS_ENV,
     RETRACTION_ARG,
+    RETURN_LOGPROB_ARG,
     SPECULATIVE_ARG,
+    TOKEN_LOGPROBS_KEY,
     TOP_K_DISABLED,
+    TOP_LOGPROBS_ARG,
+    TOP_LOGPROBS_KEY,
+    OutputReader,
     check_engine_args,
     engine_launch_args,
     generate_kwargs,
     sglang_sampling_params,
 )
-from megaserve.replicas.protocol import SEED_MAX, SEED_MIN, SamplingParams
+from megaserve.replicas.protocol import SEED_MAX, SEED_MIN, FinishReason, SamplingParams, TokenLogprob
 from tests.replicas.engines.sglang_stand_in import (
     QUEUE_FULL_MESSAGE,
     StandInSGLang,
@@ -195,7 +204,7 @@ def test_engine_takes_server_args_as_keywords_and_has_a_tokenizer_manager(sglang
 def test_async_generate_takes_our_keywords_and_the_stand_in_no_others(sglang):
     real = sglang.method(sglang.cls(ENGINE, "Engine"), "async_generate")
     assert isinstance(real, ast.AsyncFunctionDef)
-    ours = set(generate_kwargs((1,), {}, "rid", 0))
+    ours = set(generate_kwargs((1,), {}, "rid", 0, logprobs=2))  # every keyword: a request with logprobs
     assert ours <= set(_parameters(real))
     stand_in = set(inspect.signature(StandInSGLang.async_generate).parameters) - {"self"}
     assert stand_in == ours
@@ -362,3 +371,163 @@ def test_deterministic_sampling_seeds_unseeded_requests_with_one_constant_and_ta
     verify = ast.unparse(sglang.method(sglang.cls(SAMPLING, "SamplingParams"), "verify"))
     assert "if not -2 ** 63 <= self.sampling_seed <= 2 ** 63 - 1:" in verify
     assert (SEED_MIN, SEED_MAX) == (-2**63, 2**63 - 1)
+
+
+def test_the_logprob_keywords_ask_for_the_output_s_logprobs_only(sglang):
+    """generate_kwargs' logprob keywords are GenerateReqInput fields of compatible types, and
+    logprob_start_len -1 makes SGLang's scheduler start the logprobs at the prompt's end: none of
+    the prompt's are computed (the tokenizer manager's default for an unset one, too)."""
+    asked = {name: value for name, value in generate_kwargs((1,), {}, "rid", 0, logprobs=3).items()
+             if name in (RETURN_LOGPROB_ARG, TOP_LOGPROBS_ARG, LOGPROB_START_ARG)}
+    assert asked == {RETURN_LOGPROB_ARG: True, TOP_LOGPROBS_ARG: 3, LOGPROB_START_ARG: OUTPUT_ONLY_LOGPROBS}
+    _assert_accepted(asked, sglang.fields(sglang.cls("sglang.srt.managers.io_struct", "GenerateReqInput")),
+                     "GenerateReqInput")
+    handle = sglang.method(sglang.cls(SCHEDULER, "Scheduler"), "_handle_generate_request")
+    (start,) = [node for node in ast.walk(handle) if isinstance(node, ast.If)
+                and ast.unparse(node.test) == f"recv_req.{LOGPROB_START_ARG} == {OUTPUT_ONLY_LOGPROBS}"]
+    asking = start.body[0]
+    assert ast.unparse(asking.test) == f"recv_req.{RETURN_LOGPROB_ARG} and recv_req.token_ids_logprob is None"
+    assert ast.unparse(asking.body) == f"req.{LOGPROB_START_ARG} = len(req.origin_input_ids)"
+
+
+def test_sglang_s_logprobs_are_of_the_raw_logits_under_the_switch_the_engine_sets(sglang):
+    """By default SGLang's sampler returns logprobs of logits / temperature; RAW_LOGPROBS_ENV ("1"
+    is true) makes them the log-softmax of the logits before the temperature divides them."""
+    assert f"{RAW_LOGPROBS_ENV} = EnvBool(False)" in sglang.text("sglang/srt/environ.py")
+    sampler_module = sglang.module("sglang.srt.layers.sampler")
+    switch = [ast.unparse(node) for node in sampler_module.body if isinstance(node, ast.Assign)
+              and ast.unparse(node.targets[0]) == RAW_LOGPROBS_ENV]
+    assert switch == [f"{RAW_LOGPROBS_ENV} = get_bool_env_var({RAW_LOGPROBS_ENV!r})"]
+    truthy = ast.unparse(sglang.function("sglang.srt.utils.common", "get_bool_env_var"))
+    assert "truthy_values = ('true', '1')" in truthy
+    forward = _flat(sglang.method(sglang.cls("sglang.srt.layers.sampler", "Sampler"), "forward"))
+    raw = forward.index(f"if return_logprob and {RAW_LOGPROBS_ENV} and (target_logprobs is None): "
+                        f"original_logprobs = torch.log_softmax(logits, dim=-1)")
+    scaled = forward.index("logits.div_(sampling_info.temperatures)")
+    assert raw < scaled  # the raw ones are taken before the temperature divides the logits in place
+    assert forward.index("torch.log(probs)") > scaled  # the default: of the temperature-scaled logits
+    assert f"elif {RAW_LOGPROBS_ENV}: logprobs = original_logprobs" in forward
+
+
+def _flat(node: ast.AST) -> str:
+    """A node's source on one line, single-spaced: what a check reads, indentation aside."""
+    return " ".join(ast.unparse(node).split())
+
+
+def _tokenizer_manager_code(sglang: SGLangSource, incremental: bool) -> SimpleNamespace:
+    """SGLang's TokenizerManager code that builds a stream's logprob meta_info, run on stand-ins for
+    its state: the methods below, bound to an object with the settings they read."""
+    manager = sglang.cls(TOKENIZER_MANAGER, "TokenizerManager")
+    methods = ("convert_logprob_style", "add_logprob_to_meta_info", "detokenize_logprob_tokens",
+               "detokenize_top_logprobs_tokens", "_coalesce_streaming_chunks", "_handle_abort_req")
+    keys = [node for node in sglang.module(TOKENIZER_MANAGER).body if isinstance(node, ast.Assign)
+            and ast.unparse(node.targets[0]) == "_INCREMENTAL_STREAMING_META_INFO_KEYS"]
+    code = ast.Module([*keys, sglang.function(TOKENIZER_MANAGER, "_slice_streaming_output_meta_info"),
+                       *(sglang.method(manager, name) for name in methods)], type_ignores=[])
+    namespace = {"logger": logging.getLogger("sglang"), "is_health_check_generate_req": lambda obj: False,
+                 "get_serving": lambda: SimpleNamespace(skip_tokenizer_init=True)}
+    exec(compile(code, "sglang/srt/managers/tokenizer_manager.py", "exec",  # its annotations stay strings
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True), namespace)
+    bound = type("TokenizerManager", (), {name: namespace[name] for name in methods})()
+    bound.__dict__.update(skip_tokenizer_init=True, incremental_streaming_output=incremental, rid_to_state={},
+                          config_value=lambda name: "default", _release_lora_once=lambda state: None)
+    return SimpleNamespace(manager=bound, slice=namespace["_slice_streaming_output_meta_info"])
+
+
+def _sglang_logprob(token: int, k: int) -> tuple[float, list[int], list[float]]:
+    """A made-up model's logprob of `token` and its step's k most likely (ids, logprobs)."""
+    return -token / 100, [token + j for j in range(k)], [-token / 100 - j for j in range(k)]
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("k", [0, 2])
+def test_sglang_s_own_logprob_meta_info_reads_as_each_new_id_s_logprobs(sglang, incremental, k):
+    """Outputs as SGLang's _handle_batch_output makes them (its logprob and slicing calls checked
+    below, run for real), drained as _stream_one_response drains them (two that waited: the last
+    one, or with incremental streaming both coalesced), ending with an abort of SGLang's own (whose
+    logprobs cover every id so far in both modes): the reader gives every new id its logprob and k
+    alternatives. The cumulative stream's abort comes before the last drain; an incremental one's
+    after it, as SGLang cannot coalesce its abort with token-id outputs (KeyError: 'text')."""
+    handle = ast.unparse(sglang.method(sglang.cls(TOKENIZER_MANAGER, "TokenizerManager"), "_handle_batch_output"))
+    assert ("self.convert_logprob_style(meta_info, state, state.obj.top_logprobs_num, state.obj.token_ids_logprob, "
+            "state.obj.return_text_in_logprobs and (not self.skip_tokenizer_init), recv_obj, i, "
+            "finished=recv_obj.finished_reasons[i] is not None)") in handle
+    assert ("_slice_streaming_output_meta_info(meta_info, output_offset, "
+            "state.customized_info_accumulated.keys())") in handle
+    stream_one = _flat(sglang.method(sglang.cls(TOKENIZER_MANAGER, "TokenizerManager"), "_stream_one_response"))
+    assert ("out_list = state.out_list state.out_list = [] finished = state.finished state.event.clear() "
+            "incremental_stream = is_stream and self.incremental_streaming_output "
+            "if incremental_stream and len(out_list) > 1: out = self._coalesce_streaming_chunks(out_list, obj.rid, "
+            "state.customized_info_accumulated.keys()) else: out = out_list[-1]") in stream_one
+    sglang_code = _tokenizer_manager_code(sglang, incremental)
+    manager = sglang_code.manager
+    obj = SimpleNamespace(rid="r", stream=True, return_logprob=True, top_logprobs_num=k, token_ids_logprob=None,
+                          return_text_in_logprobs=False, return_flat_raw_top_logprobs=False,
+                          return_flat_raw_output_top_logprobs=False, return_flat_raw_top_logprobs_b64=False)
+    lists = ("input_token_logprobs_val", "input_token_logprobs_idx", "output_token_logprobs_val",
+             "output_token_logprobs_idx", "input_top_logprobs_val", "input_top_logprobs_idx",
+             "output_top_logprobs_val", "output_top_logprobs_idx", "input_token_ids_logprobs_val",
+             "input_token_ids_logprobs_idx", "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx",
+             "input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
+             "input_token_ids_logprobs", "output_token_ids_logprobs", "output_ids", "out_list")
+    state = SimpleNamespace(obj=obj, last_output_offset=0, customized_info_accumulated={}, prompt_token_ids=None,
+                            input_top_logprobs_scheduler_flat=None, input_top_logprobs_flat_fields=None,
+                            input_top_logprobs_flat_num_rows=-1, finished=False, get_text=lambda: "",
+                            event=SimpleNamespace(set=lambda: None),
+                            time_stats=SimpleNamespace(set_finished_time=lambda: None, get_e2e_latency=lambda: 0.0),
+                            **{name: [] for name in lists})
+    manager.rid_to_state["r"] = state
+
+    def batch_output(ids: list[int]) -> None:  # _handle_batch_output's BatchTokenIDOutput branch for one rid
+        rows = [_sglang_logprob(token, k) for token in ids]
+        recv_obj = SimpleNamespace(
+            input_token_logprobs_val=[[]], input_token_logprobs_idx=[[]],
+            output_token_logprobs_val=[[r[0] for r in rows]], output_token_logprobs_idx=[list(ids)],
+            input_top_logprobs_val=[[]], input_top_logprobs_idx=[[]],
+            input_top_logprobs_val_flat=None, output_top_logprobs_val=[[r[2] for r in rows]],
+            output_top_logprobs_idx=[[r[1] for r in rows]], input_token_ids_logprobs_val=None,
+            output_token_ids_logprobs_val=None)
+        meta_info = {"id": "r", "finish_reason": None}
+        manager.convert_logprob_style(meta_info, state, obj.top_logprobs_num, obj.token_ids_logprob,
+                                      obj.return_text_in_logprobs and not manager.skip_tokenizer_init, recv_obj, 0,
+                                      finished=False)
+        meta_info["completion_tokens"] = len(state.output_ids) + len(ids)
+        output_offset = state.last_output_offset
+        state.output_ids.extend(ids)
+        if incremental:
+            sglang_code.slice(meta_info, output_offset, state.customized_info_accumulated.keys())
+            state.last_output_offset = len(state.output_ids)
+            state.out_list.append({"output_ids": list(ids), "meta_info": meta_info})
+        else:
+            state.out_list.append({"output_ids": state.output_ids, "meta_info": meta_info})
+
+    def drained() -> dict:  # _stream_one_response's
+        out_list, state.out_list = state.out_list, []
+        return manager._coalesce_streaming_chunks(out_list, "r", ()) if incremental and len(out_list) > 1 \
+            else out_list[-1]
+
+    reader = OutputReader(incremental, logprobs=k)
+    chunks = []
+    for ids in ([11], [12, 13]):
+        batch_output(ids)
+        chunks.append(reader.read(drained(), 0.1))
+    batch_output([14])
+    batch_output([15])
+    if incremental:
+        waited = drained()
+        assert waited["meta_info"][TOKEN_LOGPROBS_KEY] == [(-0.14, 14, None), (-0.15, 15, None)]
+        chunks.append(reader.read(waited, 0.1))
+    manager._handle_abort_req(SimpleNamespace(rid="r", abort_message="evicted", finished_reason=None,
+                                              weight_versions=None))
+    last = drained()
+    assert last["meta_info"][TOKEN_LOGPROBS_KEY] == [(-t / 100, t, None) for t in range(11, 16)]  # all, in both modes
+    assert (TOP_LOGPROBS_KEY in last["meta_info"]) is (k > 0)
+    chunks.append(reader.read(last, 0.1))
+    assert [chunk.token_ids for chunk in chunks] == [[11], [12, 13], [14, 15]] + ([[]] if incremental else [])
+    assert chunks[-1].finish_reason == FinishReason.ABORT and chunks[-1].error == "evicted"
+    for chunk in chunks:
+        expected = []
+        for token in chunk.token_ids:
+            logprob, top_ids, top_logprobs = _sglang_logprob(token, k)
+            expected.append(TokenLogprob(logprob, tuple(zip(top_ids, top_logprobs))))
+        assert chunk.logprobs == expected

@@ -1,6 +1,6 @@
 """SGLangEngine: the parameter mapping and output conversion (pure functions), and the engine
 itself on an in-process stand-in for `sglang.Engine` (tests/replicas/engines/sglang_stand_in.py):
-stream translation, priority, abort on client disconnect, shutdown, health and metrics. The names
+stream translation, logprobs, priority, abort on client disconnect, shutdown, health and metrics. The names
 used are checked against SGLang's own source in test_sglang_api.py; the live run against a real
 SGLang is tests/gpu/test_sglang_engine_gpu.py."""
 
@@ -19,6 +19,7 @@ from megaserve.replicas.engines import create_engine
 from megaserve.replicas.engines.sglang_engine import (
     CONTEXT_MARGIN,
     LONGER_CONTEXT_ENV,
+    RAW_LOGPROBS_ENV,
     TOP_K_DISABLED,
     OutputReader,
     SGLangEngine,
@@ -37,8 +38,10 @@ from megaserve.replicas.protocol import (
     FinishReason,
     GenerateRequest,
     SamplingParams,
+    TokenLogprob,
 )
-from tests.replicas.engines.sglang_stand_in import QUEUE_FULL_MESSAGE, StandInSGLang
+from tests.replicas.engines import sglang_stand_in
+from tests.replicas.engines.sglang_stand_in import QUEUE_FULL_MESSAGE, StandInSGLang, stand_in_logprob
 
 ONE_BY_ONE = CoalescePolicy(seconds=0.0, tokens=1)
 VOCAB = 512  # a vocabulary for the sampling-parameter mappings
@@ -161,6 +164,14 @@ def test_generate_kwargs_stream_one_request_by_token_ids():
     }
 
 
+def test_generate_kwargs_ask_sglang_for_logprobs_only_for_a_request_that_asks():
+    plain = {"input_ids": [5], "sampling_params": {}, "rid": "r", "priority": 0, "stream": True}
+    assert generate_kwargs((5,), {}, "r", 0) == generate_kwargs((5,), {}, "r", 0, logprobs=None) == plain
+    for k in (0, 20):
+        assert generate_kwargs((5,), {}, "r", 0, logprobs=k) == plain | {
+            "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": -1}
+
+
 def test_model_limits_cap_the_tier_s_sequence_length_by_the_model():
     config = {"vocab_size": 1000, "max_position_embeddings": 4096}
     assert model_limits(config, None) == (1000, 4096)
@@ -228,6 +239,102 @@ def test_an_incremental_abort_that_repeats_the_last_id_adds_nothing():
     assert chunk.token_ids == [3, 4] and reader.delivered == 4
 
 
+def _entry(token: int) -> tuple[float, int, None]:
+    """SGLang's (logprob, id, None) of an output id, made up."""
+    return (-token / 100, token, None)
+
+
+def _top(token: int, k: int) -> list[tuple[float, int, None]]:
+    """SGLang's k most likely (logprob, id, None) at an output id's step, made up."""
+    return [(-token / 100 - j, token + 7 * j, None) for j in range(k)]
+
+
+def _logprob_info(tokens: list[int], k: int) -> dict:
+    return {"output_token_logprobs": [_entry(t) for t in tokens]} | (
+        {"output_top_logprobs": [_top(t, k) for t in tokens]} if k else {})
+
+
+def _expected(tokens: list[int], k: int) -> list[TokenLogprob]:
+    return [TokenLogprob(-t / 100, tuple((token, logprob) for logprob, token, _ in _top(t, k))) for t in tokens]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_cumulative_outputs_give_each_new_id_its_logprob_and_top_alternatives(k):
+    reader = OutputReader(incremental=False, logprobs=k)
+    first = reader.read({"output_ids": [11], "meta_info": {"finish_reason": None, **_logprob_info([11], k)}}, 0.1)
+    second = reader.read({"output_ids": [11, 12, 13],
+                          "meta_info": {"finish_reason": None, **_logprob_info([11, 12, 13], k)}}, 0.1)
+    length = {"type": "length", "length": 4}
+    last = reader.read({"output_ids": [11, 12, 13, 14],
+                        "meta_info": {"finish_reason": length, **_logprob_info([11, 12, 13, 14], k)}}, 0.1)
+    assert [first.logprobs, second.logprobs, last.logprobs] == [_expected([11], k), _expected([12, 13], k),
+                                                                 _expected([14], k)]
+    assert second.logprobs[1].logprob == -0.13 and len(second.logprobs[1].top) == k
+    if k:
+        assert second.logprobs[0].top == ((12, -0.12), (19, -1.12), (26, -2.12))  # (id, logprob), most likely first
+    repeat = reader.read({"output_ids": [11, 12, 13, 14], "meta_info": {"finish_reason": length,
+                                                                         **_logprob_info([11, 12, 13, 14], k)}}, 0.1)
+    assert repeat.token_ids == [] and repeat.logprobs == []
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_incremental_outputs_give_each_new_id_its_logprob_and_an_abort_s_repeat_adds_none(k):
+    reader = OutputReader(incremental=True, logprobs=k)
+    first = reader.read({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2, **_logprob_info([1, 2], k)}}, 0.1)
+    # chunks that waited, coalesced with the abort's repeat of 4, whose lists hold every id so far
+    abort = {"type": "abort", "message": "evicted"}
+    coalesced = {"output_token_logprobs": [_entry(3), _entry(4)] + [_entry(t) for t in (1, 2, 3, 4)]}
+    if k:
+        coalesced["output_top_logprobs"] = [_top(3, k), _top(4, k)] + [_top(t, k) for t in (1, 2, 3, 4)]
+    last = reader.read({"output_ids": [3, 4, 4], "meta_info": {"finish_reason": abort, "completion_tokens": 4,
+                                                               **coalesced}}, 0.1)
+    assert (first.logprobs, last.token_ids, last.logprobs) == (_expected([1, 2], k), [3, 4], _expected([3, 4], k))
+    assert last.finish_reason == FinishReason.ABORT
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_an_own_stop_id_cuts_the_logprobs_with_the_ids(incremental):
+    reader = OutputReader(incremental, stop_ids=frozenset({13}), logprobs=1)
+    reader.read({"output_ids": [11], "meta_info": {"finish_reason": None, **_logprob_info([11], 1)}}, 0.1)
+    ids = [12, 13, 14] if incremental else [11, 12, 13, 14]
+    chunk = reader.read({"output_ids": ids, "meta_info": {"finish_reason": None, **_logprob_info(ids, 1)}}, 0.3)
+    assert (chunk.token_ids, chunk.finish_reason) == ([12, 13], FinishReason.STOP)
+    assert chunk.logprobs == _expected([12, 13], 1)
+
+
+def test_an_out_of_vocabulary_sample_s_stand_in_id_gets_no_logprob():
+    """SGLang's logprob names the bad sample, not the stop id it put in its place: the reader drops both."""
+    reader = OutputReader(incremental=True, logprobs=0)
+    meta_info = {"finish_reason": {"type": "stop", "matched": "NaN happened"},
+                 "output_token_logprobs": [_entry(12), (float("nan"), 600, None)]}
+    chunk = reader.read({"output_ids": [12, 2], "meta_info": meta_info}, 0.2)
+    assert (chunk.token_ids, chunk.logprobs, chunk.finish_reason) == ([12], _expected([12], 0), FinishReason.ABORT)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_request_without_logprobs_gets_none_whatever_sglang_sends(incremental):
+    reader = OutputReader(incremental)
+    chunk = reader.read({"output_ids": [11, 12], "meta_info": {"finish_reason": None, **_logprob_info([11, 12], 2)}},
+                        0.1)
+    assert chunk.token_ids == [11, 12] and chunk.logprobs == []
+
+
+@pytest.mark.parametrize(("meta_info", "message"), [
+    ({"output_token_logprobs": [_entry(11)]}, "SGLang sent logprobs for 1 \\(top logprobs for 0\\) of 2 new"),
+    ({"output_token_logprobs": [_entry(11), _entry(12)], "output_top_logprobs": [_top(11, 2)]},
+     "top logprobs for 1\\) of 2 new"),
+    ({"output_token_logprobs": [_entry(11), _entry(13)], "output_top_logprobs": [_top(11, 2), _top(12, 2)]},
+     "the logprob of id 13 for output id 12"),
+    ({"output_token_logprobs": [_entry(11), _entry(12)], "output_top_logprobs": [_top(11, 2), None]},
+     "sent 0 top logprobs of output id 12, not 2"),
+    ({}, "logprobs for 0"),
+])
+def test_logprobs_that_would_misalign_are_refused(meta_info, message):
+    reader = OutputReader(incremental=False, logprobs=2)
+    with pytest.raises(RuntimeError, match=message):
+        reader.read({"output_ids": [11, 12], "meta_info": {"finish_reason": None, **meta_info}}, 0.1)
+
+
 def test_the_first_output_s_prefill_stamps_time_its_tokens():
     stamps = {"forward_entry_time": 100.0, "prefill_finished_time": 100.3}
     assert step_times(3, 2.0, stamps, wall_time=100.5) == pytest.approx([0.3, 0.1, 0.1])
@@ -280,8 +387,10 @@ def test_without_sglang_the_engine_says_how_to_install_it(tiny_model_dir):
 async def make_sglang(tiny_model_dir, monkeypatch):
     """make_sglang(**settings) -> (SGLangEngine on the stand-in, the stand-in); each engine has a
     model name of its own (so its metrics are its own) and is shut down after the test. SGLang's
-    context switch, which the engine sets in os.environ, is off before each test and gone after it."""
+    context and raw-logprob switches, which the engine sets in os.environ, are off before each test
+    and gone after it."""
     monkeypatch.setenv(LONGER_CONTEXT_ENV, "0")
+    monkeypatch.setenv(RAW_LOGPROBS_ENV, "0")
     engines: list[SGLangEngine] = []
 
     def make(**settings) -> tuple[SGLangEngine, StandInSGLang]:
@@ -394,6 +503,50 @@ async def test_a_stop_token_finishes_with_stop(make_sglang, ignore_eos, incremen
     assert items[-1].finish_reason == FinishReason.STOP and items[-1].error is None
     assert sglang.tokenizer_manager.aborted == ([sglang.requests[0]["rid"]] if ignore_eos else [])
     assert _sample("megaserve_running_requests", labels) == 0
+
+
+async def test_the_engine_has_sglang_return_the_raw_logits_logprobs(make_sglang):
+    make_sglang()
+    assert os.environ[RAW_LOGPROBS_ENV] == "1"  # before SGLang starts: its processes inherit it
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("k", [None, 0, 2])
+async def test_logprobs_come_with_each_token_when_asked(make_sglang, incremental, k):
+    engine, sglang = make_sglang(coalesce=CoalescePolicy(seconds=1.0, tokens=2),
+                                 engine_args={"incremental_streaming_output": incremental})
+    items = [item async for item in engine.generate(_request((5, 17, 99), max_tokens=5, logprobs=k))]
+    assert [item.token_ids for item in items] == [[100], [101, 102], [103, 104]]
+    (call,) = sglang.requests
+    if k is None:
+        assert all(item.logprobs is None for item in items)
+        assert (call["return_logprob"], call["top_logprobs_num"], call["logprob_start_len"]) == (False, None, None)
+        return
+    assert (call["return_logprob"], call["top_logprobs_num"], call["logprob_start_len"]) == (True, k, -1)
+    for item in items:
+        expected = [stand_in_logprob(token, k) for token in item.token_ids]
+        assert item.logprobs == [TokenLogprob(entry[0], tuple((t, lp) for lp, t, _ in top)) for entry, top in expected]
+        assert all(len(logprob.top) == k for logprob in item.logprobs)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_an_own_stop_id_ends_the_logprobs_with_the_tokens(make_sglang, incremental):
+    engine, _ = make_sglang(engine_args={"incremental_streaming_output": incremental})
+    request = _request((5, 10), stop_token_ids=(13,), max_tokens=9, ignore_eos=True, logprobs=1)
+    items = [item async for item in engine.generate(request)]
+    assert [t for item in items for t in item.token_ids] == [11, 12, 13]
+    assert [logprob.logprob for item in items for logprob in item.logprobs] == [-1 / 11, -1 / 12, -1 / 13]
+    assert items[-1].finish_reason == FinishReason.STOP
+
+
+async def test_misaligned_logprobs_end_the_stream_and_the_request_in_sglang(make_sglang, monkeypatch):
+    engine, sglang = make_sglang()
+    monkeypatch.setattr(sglang_stand_in, "stand_in_logprob",
+                        lambda token, k: ((-1.0, token + 1, None), []))  # the logprob of another id
+    items = [item async for item in engine.generate(_request(max_tokens=50, logprobs=0))]
+    assert (items[-1].finish_reason, items[-1].token_ids) == (FinishReason.ABORT, [])
+    assert items[-1].error == "SGLang failed: RuntimeError: SGLang sent the logprob of id 101 for output id 100"
+    assert sglang.tokenizer_manager.aborted == [sglang.requests[0]["rid"]]
 
 
 async def test_the_same_request_id_twice_gets_two_sglang_rids(make_sglang):
