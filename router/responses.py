@@ -119,14 +119,15 @@ class ResponseBuilder:
         request did not ask. Each token's text_offset follows the token texts before it, as vLLM's."""
         if self.logprobs is None:
             return None
-        tokens = [self.generation.tokenizer.token_text(token_id) for token_id in token_ids]
+        token_text = self.generation.tokenizer.token_text
+        tokens = [token_text(token_id) for token_id in token_ids]
         offsets = []
         for text in tokens:
             offsets.append(self._text_offsets.get(index, 0))
             self._text_offsets[index] = offsets[-1] + len(text)
         tops = []
         for token, lp in zip(tokens, logprobs, strict=True):
-            top = {self._token(top_id, value).token: max(value, LOGPROB_FLOOR) for top_id, value in lp.top}
+            top = {token_text(top_id): max(value, LOGPROB_FLOOR) for top_id, value in lp.top}
             top.setdefault(token, max(lp.logprob, LOGPROB_FLOOR))  # OpenAI's: the sampled token is always there
             tops.append(top)
         return CompletionLogprobs(text_offset=offsets, token_logprobs=[max(lp.logprob, LOGPROB_FLOOR) for lp in logprobs],
