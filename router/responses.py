@@ -184,9 +184,10 @@ class ResponseBuilder:
         chunk_usage = _ChunkUsage(self.usage if continuous_usage else None, include_usage)
         async with closing(rest):
             try:
-                if self.chat:
-                    yield self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
-                                       for i in range(n)], chunk_usage, prompt_token_ids=self._ids(self._prompt_ids(0)))
+                if self.chat:  # a role chunk per choice, as OpenAI's and vLLM's streams have
+                    for i in range(n):
+                        yield self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})],
+                                          chunk_usage, prompt_token_ids=self._ids(self._prompt_ids(0)) if i == 0 else None)
                 yield self._delta_chunk(first, chunk_usage)
                 async for delta in rest:
                     yield self._delta_chunk(delta, chunk_usage)

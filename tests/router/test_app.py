@@ -326,6 +326,10 @@ def test_n_choices_each_arrive_with_their_own_index(router_url):
         chunks = sse_payloads(response)[:-1]
     finishes = {c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]}
     assert finishes == {0, 1, 2}
+    # first a role chunk of its own per choice, as OpenAI's and vLLM's streams
+    assert [c["choices"] for c in chunks[:3]] == [
+        [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        for i in range(3)]
     assert not any("usage" in c for c in chunks)  # not asked for: absent, as OpenAI's (null only when asked)
 
 
