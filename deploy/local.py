@@ -390,18 +390,23 @@ def serve_until_interrupted(config_path: str | None, host: str | None, port: int
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # raised in the main thread, wherever the drain is waiting
+
+
 def _drain(names: list[str], graceful_seconds: float) -> None:
     """Delete the apps before Serve shuts down: Serve then stops each replica as on a scale-down, its
     running generations finishing (within graceful_shutdown_seconds) while the proxy still streams
-    them; serve.shutdown alone kills the proxy first and cuts every stream off. A second Ctrl-C
-    stops at once."""
+    them; serve.shutdown alone kills the proxy first and cuts every stream off. A second Ctrl-C,
+    or a second SIGTERM (a supervisor's that gave up waiting), stops at once."""
     from ray import serve
 
     if not names:
         return
-    _say(f"letting running requests finish (up to {graceful_seconds:g} s; Ctrl-C again stops at once)")
     deadline = time.monotonic() + graceful_seconds + DRAIN_MARGIN_SECONDS
-    try:
+    try:  # from the message on, a second Ctrl-C or SIGTERM lands here
+        signal.signal(signal.SIGTERM, _interrupt)
+        _say(f"letting running requests finish (up to {graceful_seconds:g} s; Ctrl-C again stops at once)")
         for name in names:
             serve.delete(name, _blocking=False)
         while time.monotonic() < deadline and set(names) & set(serve.status().applications):

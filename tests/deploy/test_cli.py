@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -20,6 +21,8 @@ from megaserve.deploy.local import load_serve_config
 from tests.live import free_port
 
 STREAM_TOKENS = 1000  # the demo model on 2 CPU cores: a few seconds of decoding
+LONG_STREAM_TOKENS = 2000  # the demo model's context's worth: far longer than a stop at once takes
+STOP_AT_ONCE_SECONDS = 60  # Serve's and Ray's shutdown, on a loaded 2-core machine, without the drain
 ROUTE_PREFIX = "/mega"  # not Serve's default "/": the URL that `up` prints must carry it
 
 
@@ -118,6 +121,39 @@ def test_up_serves_the_demo_and_stops_on_ctrl_c_once_running_streams_finish(tmp_
     assert streamed == {"finish_reason": "length", "usage": STREAM_TOKENS}, rest  # not cut off
     assert "megaserve: stopping" in rest and "letting running requests finish" in rest
     assert re.search(r"ready in \d+\.\d s", "".join(lines))
+
+
+@pytest.mark.integration
+def test_a_second_sigterm_during_the_drain_stops_at_once(tmp_path):
+    proc, port = _start_up(tmp_path)
+    lines: list[str] = []
+    streamed: dict[str, object] = {}
+    try:
+        _read_until(proc, "ready in", lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}{ROUTE_PREFIX}/v1", api_key="x", max_retries=0)
+        first_chunk = threading.Event()
+
+        def stream() -> None:  # far longer than the test waits: the drain would wait for all of it
+            chunks = client.completions.create(model="megaserve-demo", prompt="hi", max_tokens=LONG_STREAM_TOKENS,
+                                               stream=True, extra_body={"ignore_eos": True})
+            with contextlib.suppress(openai.APIError):  # cut off: what this test wants
+                for chunk in chunks:
+                    first_chunk.set()
+                    streamed["finish_reason"] = chunk.choices[0].finish_reason or streamed.get("finish_reason")
+
+        streaming = threading.Thread(target=stream, daemon=True)
+        streaming.start()
+        assert first_chunk.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        _read_until(proc, "letting running requests finish", lines)
+        signalled = time.monotonic()
+    finally:
+        rest = _stop(proc, signal.SIGTERM)
+    stopped_after = time.monotonic() - signalled
+    assert proc.returncode == 0, "".join(lines) + rest
+    assert "stopping at once" in rest
+    assert streamed.get("finish_reason") is None  # the stream was cut, not waited for
+    assert stopped_after < STOP_AT_ONCE_SECONDS, rest
 
 
 @pytest.mark.integration
