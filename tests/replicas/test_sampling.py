@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from megaserve.replicas.protocol import EngineError, SamplingParams
-from megaserve.replicas.sampling import SamplingRows, SamplingTable, hash32, sample, seeded_uniform, token_logprobs
+from megaserve.replicas.sampling import (
+    TOP_K_GROUPS,
+    SamplingRows,
+    SamplingTable,
+    _top_k,
+    hash32,
+    sample,
+    seeded_uniform,
+    token_logprobs,
+)
 
 VOCAB = 50
 DRAWS = 20_000  # rows drawn at once for distribution checks
@@ -283,3 +292,12 @@ def test_token_logprobs_are_each_asking_rows_log_softmax_and_its_most_likely_tok
     assert [token for token, _ in out[0].top] == ids.tolist()
     assert [value for _, value in out[0].top] == pytest.approx(values.tolist(), abs=1e-6)
     assert token_logprobs(logits, tokens, [None] * 3) == [None] * 3
+
+
+@pytest.mark.parametrize("vocab, k", [(TOP_K_GROUPS * 40 + 7, 20), (TOP_K_GROUPS * 40 + 7, 1), (VOCAB, 3)],
+                         ids=["split, padded", "split, one", "too small to split"])
+def test_the_grouped_top_k_is_torch_s(vocab, k):
+    values = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab + k))
+    values[1, -1] = 100.0  # the largest in the padded group's last real column
+    got, expected = _top_k(values, k), values.topk(k, dim=-1)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
