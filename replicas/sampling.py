@@ -214,19 +214,19 @@ def sample(
 
 
 # A top-k of one row of a vocabulary runs on a few SMs (~0.17 ms for 128K on an H200): split it in
-# TOP_K_GROUPS rows, take each one's k, then the k of those candidates.
+# TOP_K_GROUPS rows, take each one's k, then the k of those candidates. Vocabularies are padded to a
+# multiple of 64 or 128 for the GEMMs (Llama 3's 128,256, Qwen3's 151,936); another takes torch's.
 TOP_K_GROUPS = 128
 
 
 def _top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(values, k) of each row of values [A, V], as [A, k] values and indices."""
     rows, vocab = values.shape
-    width = -(-vocab // TOP_K_GROUPS)
-    if k > width:  # a vocabulary too small to split: each group must hold k
+    width = vocab // TOP_K_GROUPS
+    if vocab % TOP_K_GROUPS or k > width:  # no padding: a padded column could be picked in a row of -infs
         return values.topk(k, dim=-1)
-    padded = torch.nn.functional.pad(values, (0, width * TOP_K_GROUPS - vocab), value=float("-inf"))
-    group_values, group_ids = padded.view(rows * TOP_K_GROUPS, width).topk(k, dim=-1)  # [A * G, k]
-    offsets = torch.arange(0, width * TOP_K_GROUPS, width, device=values.device).repeat(rows)[:, None]
+    group_values, group_ids = values.view(rows * TOP_K_GROUPS, width).topk(k, dim=-1)  # [A * G, k]
+    offsets = torch.arange(0, vocab, width, device=values.device).repeat(rows)[:, None]
     candidates = (group_ids + offsets).view(rows, TOP_K_GROUPS * k)
     top_values, picks = group_values.view(rows, TOP_K_GROUPS * k).topk(k, dim=-1)
     return top_values, candidates.gather(-1, picks)

@@ -189,6 +189,10 @@ class Generation:
         unsent_logprobs: list[TokenLogprob] = []  # theirs, where asked for
         async with closing(self.backend.stream(request)) as stream:
             async for output in stream:
+                if request.sampling.logprobs is not None and len(output.logprobs or ()) != len(output.token_ids):
+                    # a replica that does not know logprobs (an older one during a rolling update)
+                    raise GenerationFailed(f"the replica sent {len(output.logprobs or ())} logprobs for "
+                                           f"{len(output.token_ids)} tokens")
                 # Token by token, so that a stop string ends the count at the token that completes it.
                 released, stopped, used = "", False, 0
                 last = len(output.token_ids) - 1

@@ -419,7 +419,8 @@ class _Response(BaseModel):
 
 
 class TopLogprob(BaseModel):
-    """A token and its logprob, in chat's format: `bytes` are the token text's UTF-8 bytes."""
+    """A token and its logprob, in chat's format: `bytes` are the UTF-8 bytes of the token's text decoded
+    alone (vLLM's too: a byte-level piece of a character is U+FFFD's three bytes, not its own)."""
 
     token: str
     logprob: float
@@ -437,7 +438,7 @@ class ChatLogprobs(BaseModel):
 class CompletionLogprobs(BaseModel):
     """The legacy endpoint's logprobs: one entry per generated token in each list."""
 
-    text_offset: list[int]  # where each token's text starts in the choice's text
+    text_offset: list[int]  # the length of the token texts before each one's (vLLM's reading of OpenAI's)
     token_logprobs: list[float]
     tokens: list[str]
     top_logprobs: list[dict[str, float]]  # the `logprobs` most likely tokens, and the sampled one

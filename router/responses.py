@@ -52,6 +52,12 @@ SERVED_SERVICE_TIER = {Tier.LATENCY: "priority", Tier.THROUGHPUT: "default"}
 LOGPROB_FLOOR = -9999.0
 
 
+def _json_logprob(value: float) -> float:
+    """`value`, or LOGPROB_FLOOR for -inf and NaN (which fails every comparison), neither of which JSON
+    has: pydantic would write them as null, where OpenAI's clients read a number."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def served_tier(body: GenerationRequest, lease: Lease) -> str:
     """OpenAI's name of the tier used: a "flex" or "scale" request served by throughput keeps its
     name; "fast" is OpenAI's alias of "priority", which is what its answers say."""
@@ -101,7 +107,7 @@ class ResponseBuilder:
 
     def _token(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.generation.tokenizer.token_text(token_id)
-        return TopLogprob(token=text, logprob=max(logprob, LOGPROB_FLOOR), bytes=list(text.encode()))
+        return TopLogprob(token=text, logprob=_json_logprob(logprob), bytes=list(text.encode()))
 
     def _chat_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         """Chat's logprobs of these generated ids, or None where the request did not ask."""
@@ -116,7 +122,10 @@ class ResponseBuilder:
     def _completion_logprobs(self, index: int, token_ids: Sequence[int],
                              logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs | None:
         """The legacy endpoint's logprobs of choice `index`'s next generated ids, or None where the
-        request did not ask. Each token's text_offset follows the token texts before it, as vLLM's."""
+        request did not ask. Each token's text_offset is the length of the token texts before it, as
+        vLLM's: where a token's text alone differs from its part of the choice's text (a byte-level
+        piece of a character, a SentencePiece word's dropped space, the stop id, a trimmed stop
+        string), the offsets drift from the text as vLLM's do."""
         if self.logprobs is None:
             return None
         token_text = self.generation.tokenizer.token_text
@@ -127,10 +136,11 @@ class ResponseBuilder:
             self._text_offsets[index] = offsets[-1] + len(text)
         tops = []
         for token, lp in zip(tokens, logprobs, strict=True):
-            top = {token_text(top_id): max(value, LOGPROB_FLOOR) for top_id, value in lp.top}
-            top.setdefault(token, max(lp.logprob, LOGPROB_FLOOR))  # OpenAI's: the sampled token is always there
+            # keyed by text, as OpenAI's: ids that decode alike (a partial character's U+FFFD) share a key
+            top = {token_text(top_id): _json_logprob(value) for top_id, value in lp.top}
+            top.setdefault(token, _json_logprob(lp.logprob))  # OpenAI's: the sampled token is always there
             tops.append(top)
-        return CompletionLogprobs(text_offset=offsets, token_logprobs=[max(lp.logprob, LOGPROB_FLOOR) for lp in logprobs],
+        return CompletionLogprobs(text_offset=offsets, token_logprobs=[_json_logprob(lp.logprob) for lp in logprobs],
                                   tokens=tokens, top_logprobs=tops)
 
     def _prompt_ids(self, index: int) -> Sequence[int]:

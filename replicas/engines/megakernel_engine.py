@@ -202,7 +202,7 @@ class MegakernelEngine(StepThreadEngine):
         """One decode step (a graph replay); the token it produced, and its logprob with `top`
         alternatives (None: not asked for)."""
         self._graph.replay()
-        logits = self.step.logits[None]  # [1, V]
+        logits = self.step.logits[None]  # [1, V], a view: no launch
         if rows is None:
             tokens = self.step.next_token.view(1)  # [1] int32, the kernel's argmax: a view, no launch
         else:

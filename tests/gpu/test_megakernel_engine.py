@@ -12,6 +12,7 @@ import torch
 
 from megaserve.kernels.build import KernelCache
 from megaserve.kernels.launcher import DecodeStep
+from megaserve.kernels.profiling import count_kernel_launches
 from megaserve.kernels.shape import UnsupportedShapeError
 from megaserve.monitoring.metrics import KERNEL_LAUNCHES_PER_STEP
 from megaserve.replicas.engines.megakernel_engine import MegakernelEngine
@@ -101,6 +102,12 @@ def test_logprobs_are_the_log_softmax_of_the_step_s_logits(engine, tiny_model_di
         allowed = LOGSOFTMAX_LIPSCHITZ * TIE_NOISE_FACTOR * (logits - ref).abs().max().item()
         expected = torch.log_softmax(ref, dim=-1)[chosen].item()
         assert abs(logprobs[index + 1].logprob - expected) <= allowed, (index + 1, expected, allowed)
+
+
+def test_a_decode_step_that_asks_no_logprobs_launches_the_kernel_alone(engine):
+    """The step's code, not only its graph: logprobs must cost nothing to a request without them."""
+    engine._begin_decode(PROMPT[0], 0, greedy=True)  # position 0 is scratch until a request sets it
+    assert count_kernel_launches(lambda: engine._decode_step(None, None)) == 1
 
 
 def test_sampled_requests_get_logprobs_too(engine):

@@ -294,10 +294,17 @@ def test_token_logprobs_are_each_asking_rows_log_softmax_and_its_most_likely_tok
     assert token_logprobs(logits, tokens, [None] * 3) == [None] * 3
 
 
-@pytest.mark.parametrize("vocab, k", [(TOP_K_GROUPS * 40 + 7, 20), (TOP_K_GROUPS * 40 + 7, 1), (VOCAB, 3)],
-                         ids=["split, padded", "split, one", "too small to split"])
+@pytest.mark.parametrize("vocab, k", [(TOP_K_GROUPS * 40, 20), (TOP_K_GROUPS * 40, 1), (TOP_K_GROUPS * 40 + 7, 5),
+                                      (VOCAB, 3)],
+                         ids=["split", "split, one", "not a multiple of the groups", "too small to split"])
 def test_the_grouped_top_k_is_torch_s(vocab, k):
     values = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab + k))
-    values[1, -1] = 100.0  # the largest in the padded group's last real column
-    got, expected = _top_k(values, k), values.topk(k, dim=-1)
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    values[1, -1] = 100.0  # the largest in the last group's last column
+    values[2, : vocab - 2] = float("-inf")  # a row with fewer finite values than k
+    (got_values, got_ids), (expected_values, expected_ids) = _top_k(values, k), values.topk(k, dim=-1)
+    assert torch.equal(got_values, expected_values)
+    # the ids name those values, each once (among tied -infs either may come first, as in torch's)
+    assert torch.equal(values.gather(-1, got_ids), got_values)
+    assert all(len(set(row)) == k for row in got_ids.tolist())
+    finite = expected_values.isfinite()
+    assert torch.equal(got_ids[finite], expected_ids[finite])

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from megaserve.monitoring.metrics import REJECTED_REQUESTS
-from megaserve.router.backend import EngineBackend
 from megaserve.replicas.protocol import MAX_LOGPROBS
+from megaserve.router.backend import EngineBackend
 from megaserve.router.openai_schema import MAX_MESSAGES, MAX_STOP_CHARS
 
 from .conftest import MODEL

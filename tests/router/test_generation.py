@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 
 from megaserve.monitoring.metrics import FINISHED_REQUESTS, GENERATION_TOKENS, INTER_TOKEN_LATENCY
-from megaserve.replicas.protocol import FinishReason, GenerateRequest, SamplingParams, StepOutput, Tier
+from megaserve.replicas.protocol import FinishReason, GenerateRequest, SamplingParams, StepOutput, Tier, TokenLogprob
 from megaserve.router.errors import GenerationFailed
 from megaserve.router.generation import Generation, StopMatcher, _kmp_fallbacks
 from megaserve.router.tokenizer import Tokenizer
@@ -201,8 +201,14 @@ def test_with_include_stop_text_the_stop_id_that_ends_a_choice_adds_its_text(tok
     assert deltas[-1].finish_reason == "stop" and generation.completion_tokens == len(token_ids)
 
 
+def id_logprob(token: int) -> TokenLogprob:
+    """A stand-in logprob that names its token, so that a test can see which token it went with."""
+    return TokenLogprob(-token / 1000)
+
+
 class TokenByTokenBackend:
-    """A replica that sends one token per output, then ends the generation for its length."""
+    """A replica that sends one token per output (with its `id_logprob`), then ends the generation
+    for its length."""
 
     def __init__(self, token_ids: list[int]) -> None:
         self.token_ids = token_ids
@@ -210,7 +216,8 @@ class TokenByTokenBackend:
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
         for position, token in enumerate(self.token_ids):
             last = position == len(self.token_ids) - 1
-            yield StepOutput([token], [STEP_SECONDS], FinishReason.LENGTH if last else None)
+            yield StepOutput([token], [STEP_SECONDS], FinishReason.LENGTH if last else None,
+                             logprobs=[id_logprob(token)])
 
     async def healthy_replicas(self) -> int:
         return 1
@@ -222,10 +229,13 @@ def test_a_choice_s_deltas_carry_the_ids_usage_counts_held_back_text_s_with_its_
     # usage counts the tokens up to the one whose text completes the stop string
     counted = next((k for k in range(1, len(token_ids) + 1)
                     if any(stop in tokenizer.decode(token_ids[:k]) for stop in stops)), len(token_ids))
-    generation = Generation(TokenByTokenBackend(token_ids), [GenerateRequest("r", (1, 2, 3))], Tier.LATENCY, "m",
-                            tokenizer, stops, arrival=time.perf_counter())
+    request = GenerateRequest("r", (1, 2, 3), SamplingParams(logprobs=0))
+    generation = Generation(TokenByTokenBackend(token_ids), [request], Tier.LATENCY, "m", tokenizer, stops,
+                            arrival=time.perf_counter())
     deltas = asyncio.run(_collect(generation.events()))
     assert [token for delta in deltas for token in delta.token_ids] == token_ids[:counted]
+    for delta in deltas:  # each id's logprob on the same delta as the id, through holds and stop cuts
+        assert list(delta.logprobs) == [id_logprob(token) for token in delta.token_ids]
     assert generation.completion_tokens == counted < len(token_ids) or not stops
     if stops == ("d e",):  # "d" and " " are held back as a possible start: their ids wait with them
         assert deltas[-1].text == "" and len(deltas[-1].token_ids) > 1
@@ -260,6 +270,17 @@ def test_only_the_stop_id_that_ends_a_choice_loses_its_text_not_one_earlier_in_i
 
 async def _collect(events: AsyncGenerator) -> list:
     return [delta async for delta in events]
+
+
+def test_a_replica_that_sends_tokens_without_the_logprobs_asked_for_fails_the_choice_by_name(tokenizer):
+    """A replica that does not know logprobs (an older one during a rolling update) must not pass for
+    one whose tokens have none: the answer would lack them silently, or misalign them."""
+    request = GenerateRequest("r", (1, 2, 3), SamplingParams(logprobs=2))
+    token_ids = tokenizer.encode("ab cd", add_special_tokens=False)
+    generation = Generation(OneOutputBackend(token_ids), [request], Tier.LATENCY, "m", tokenizer, (),
+                            arrival=time.perf_counter())
+    with pytest.raises(GenerationFailed, match=f"^the replica sent 0 logprobs for {len(token_ids)} tokens$"):
+        asyncio.run(_collect(generation.events()))
 
 
 class FailingBackend:
