@@ -5,9 +5,10 @@ then one chunk per text delta (the last of a choice carries its finish_reason), 
 `stream_options.include_usage`, a chunk with no choices and the usage, then `data: [DONE]`. With
 vLLM's `continuous_usage_stats` as well, every chunk carries the usage so far. With vLLM's
 `return_token_ids`, the prompt's ids come with the answer (streams: its first chunk; completions:
-each choice's, on each choice's first chunk) and each choice, or delta, has its generated ids. With logprobs asked for, each choice, or delta, has
-those of its generated ids (OpenAI's formats: chat's `content` list, the legacy endpoint's parallel
-lists), token texts decoded one id at a time as vLLM names them.
+each choice's, on each choice's first chunk) and each choice, or delta, has its generated ids.
+With logprobs asked for, each choice, or delta, has those of its generated ids (OpenAI's formats:
+chat's `content` list, the legacy endpoint's parallel lists), token texts decoded one id at a time
+as vLLM names them.
 A failure after the first chunk arrives as an `{"error": ...}` event (the status is already sent),
 then `[DONE]`.
 """
@@ -105,17 +106,18 @@ class ResponseBuilder:
             exclude["choices"] = per_choice
         return exclude
 
-    def _token(self, token_id: int, logprob: float) -> TopLogprob:
+    def _token(self, token_id: int, logprob: float) -> dict:
+        """The fields of chat's TopLogprob for this token."""
         text = self.generation.tokenizer.token_text(token_id)
-        return TopLogprob(token=text, logprob=_json_logprob(logprob), bytes=list(text.encode()))
+        return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(text.encode())}
 
     def _chat_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> ChatLogprobs | None:
         """Chat's logprobs of these generated ids, or None where the request did not ask."""
         if self.logprobs is None:
             return None
         return ChatLogprobs(content=[
-            ChatTokenLogprob(**self._token(token_id, lp.logprob).model_dump(),
-                             top_logprobs=[self._token(top_id, value) for top_id, value in lp.top])
+            ChatTokenLogprob(**self._token(token_id, lp.logprob),
+                             top_logprobs=[TopLogprob(**self._token(top_id, value)) for top_id, value in lp.top])
             for token_id, lp in zip(token_ids, logprobs, strict=True)
         ])
 
